@@ -1,0 +1,41 @@
+"""3-D tensor parallelism for PyTorch (Bian, Xu, Wang, You 2021) on any px×py×pz grid.
+
+The core (grid, ops, layers) imports torch only; ``lightning_3d.strategy`` brings Lightning in.
+"""
+
+from .grid import Grid, get_grid, init_grid, set_grid
+from .layers import (
+    CrossEntropyLoss3D,
+    Dropout3D,
+    LayerNorm3D,
+    Linear3D,
+    Module3D,
+    RMSNorm3D,
+    VocabParallelEmbedding3D,
+)
+from .layout import Layout, gather_activation, split_activation
+from .ops import matmul_ab, matmul_abt, matmul_atb, vocab_parallel_cross_entropy
+from .sharding import ShardSpec, get_spec
+
+__all__ = [
+    "CrossEntropyLoss3D",
+    "Dropout3D",
+    "Grid",
+    "LayerNorm3D",
+    "Layout",
+    "Linear3D",
+    "Module3D",
+    "RMSNorm3D",
+    "ShardSpec",
+    "VocabParallelEmbedding3D",
+    "gather_activation",
+    "get_grid",
+    "get_spec",
+    "init_grid",
+    "matmul_ab",
+    "matmul_abt",
+    "matmul_atb",
+    "set_grid",
+    "split_activation",
+    "vocab_parallel_cross_entropy",
+]

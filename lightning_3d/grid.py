@@ -1,0 +1,203 @@
+"""The process grid: ``world = dp · px · py · pz`` ranks with coordinates ``(d, i, j, l)``.
+
+Ranks are laid out dp-major, then x, y, z (z fastest), so a cube of consecutive ranks shares a
+host when it fits one. Every group a layer needs is built once, at construction, by every rank
+(process-group creation is collective): the four axes of the :class:`DeviceMesh`, the three
+planes and the whole cube.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+CUBE_AXES = ("x", "y", "z")
+MESH_AXES = ("dp",) + CUBE_AXES
+
+_current: Grid | None = None
+
+
+def normalize_axes(axes: str) -> str:
+    """``"zx"`` → ``"xz"``; ``"cube"`` → ``"xyz"``; ``"dp"`` stays. Rejects anything else."""
+    if axes == "dp":
+        return axes
+    if axes == "cube":
+        return "xyz"
+    if not axes or any(a not in CUBE_AXES for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"unknown grid axes {axes!r}; use 'x', 'y', 'z', 'dp', a plane such as 'xz', or 'cube'")
+    return "".join(a for a in CUBE_AXES if a in axes)
+
+
+@dataclass(eq=False)
+class Grid:
+    """A ``dp × px × py × pz`` grid of ranks and its process groups.
+
+    Build it with :func:`init_grid`. ``shape`` is ``(px, py, pz)``; ``coords`` is ``(d, i, j, l)``.
+    """
+
+    shape: tuple[int, int, int]
+    data_parallel_size: int
+    coords: tuple[int, int, int, int]
+    mesh: DeviceMesh
+    timeout: datetime.timedelta | None
+    _groups: dict[str, dist.ProcessGroup] = field(repr=False)
+
+    @property
+    def cube_size(self) -> int:
+        """``px · py · pz``: the ranks that hold one model replica."""
+        px, py, pz = self.shape
+        return px * py * pz
+
+    def size(self, axes: str) -> int:
+        """Number of ranks along ``axes`` (``"x"``, ``"xz"``, ``"cube"``, ``"dp"``, ...)."""
+        axes = normalize_axes(axes)
+        if axes == "dp":
+            return self.data_parallel_size
+        n = 1
+        for a in axes:
+            n *= self.shape[CUBE_AXES.index(a)]
+        return n
+
+    def coord(self, axis: str) -> int:
+        """This rank's coordinate along one axis: ``d``, ``i``, ``j`` or ``l``."""
+        return self.coords[MESH_AXES.index(axis)]
+
+    def rank_in(self, axes: str) -> int:
+        """This rank's index inside the group of ``axes`` (row-major over x, y, z)."""
+        axes = normalize_axes(axes)
+        if axes == "dp":
+            return self.coords[0]
+        r = 0
+        for a in axes:
+            r = r * self.size(a) + self.coord(a)
+        return r
+
+    def group(self, axes: str) -> dist.ProcessGroup:
+        """The process group of the ranks that differ from this one only along ``axes``."""
+        return self._groups[normalize_axes(axes)]
+
+    def cube_coords(self, cube_rank: int) -> tuple[int, int, int]:
+        """``(i, j, l)`` of the rank with index ``cube_rank`` in the cube group."""
+        px, py, pz = self.shape
+        return cube_rank // (py * pz), (cube_rank // pz) % py, cube_rank % pz
+
+    def __repr__(self) -> str:
+        px, py, pz = self.shape
+        return f"Grid({px}×{py}×{pz}, dp={self.data_parallel_size}, coords={self.coords})"
+
+
+def _check_shape(shape: tuple[int, int, int], world: int, dp: int | None) -> tuple[tuple[int, int, int], int]:
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 3:
+        raise ValueError(f"grid shape must be (px, py, pz), got {shape}")
+    if min(shape) < 1:
+        raise ValueError(f"every grid axis must be >= 1, got (px, py, pz) = {shape}")
+    cube = shape[0] * shape[1] * shape[2]
+    if dp is None:
+        if world % cube:
+            raise ValueError(
+                f"world size {world} is not divisible by px·py·pz = {cube} for grid {shape}; "
+                f"launch a multiple of {cube} processes or pick a grid whose product divides {world}"
+            )
+        dp = world // cube
+    if dp < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {dp}")
+    if dp * cube != world:
+        raise ValueError(
+            f"world size {world} != dp·px·py·pz = {dp}·{shape[0]}·{shape[1]}·{shape[2]} = {dp * cube}; "
+            f"launch {dp * cube} processes or change the grid / data_parallel_size"
+        )
+    return shape, dp
+
+
+def _default_timeout() -> datetime.timedelta | None:
+    """The default process group's timeout, so subgroups fail as fast as it does."""
+    pg = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
+def _backend_options(backend: str, timeout: datetime.timedelta | None):
+    """Process-group options that carry ``timeout`` for the mesh's groups, or None."""
+    if timeout is None:
+        return None
+    cls = {"gloo": getattr(dist, "ProcessGroupGloo", None), "nccl": getattr(dist, "ProcessGroupNCCL", None)}.get(backend)
+    if cls is None:
+        return None
+    opts = cls._Options() if backend == "gloo" else cls.Options()
+    opts._timeout = timeout
+    return opts
+
+
+def init_grid(
+    shape: tuple[int, int, int] = (1, 1, 1),
+    data_parallel_size: int | None = None,
+    *,
+    device_type: str | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> Grid:
+    """Build the grid on the initialised default process group and make it the current grid.
+
+    Args:
+        shape: ``(px, py, pz)``.
+        data_parallel_size: number of model replicas; defaults to ``world // (px·py·pz)``.
+        device_type: ``"cuda"`` or ``"cpu"``; defaults to the default backend's device.
+        timeout: collective timeout of every group; defaults to the default group's.
+
+    Raises:
+        ValueError: the world size is not ``dp·px·py·pz``, or an axis is < 1.
+    """
+    global _current
+    if not dist.is_initialized():
+        raise RuntimeError("init_grid needs an initialised default process group: call torch.distributed.init_process_group first")
+    world = dist.get_world_size()
+    shape, dp = _check_shape(shape, world, data_parallel_size)
+    backend = dist.get_backend()
+    if device_type is None:
+        device_type = "cuda" if "nccl" in backend else "cpu"
+    timeout = timeout if timeout is not None else _default_timeout()
+    mesh_shape = (dp,) + shape
+    opts = _backend_options(backend, timeout)
+    override = {name: (backend, opts) for name in MESH_AXES} if opts is not None else None
+    mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=MESH_AXES, **({"backend_override": override} if override else {}))
+    groups = {name: mesh.get_group(name) for name in MESH_AXES}
+    ranks = torch.arange(world).reshape(mesh_shape)
+    for n in (2, 3):
+        for axes in itertools.combinations(CUBE_AXES, n):
+            dims = [1 + CUBE_AXES.index(a) for a in axes]
+            rest = [d for d in range(4) if d not in dims]
+            group_size = 1
+            for d in dims:
+                group_size *= mesh_shape[d]
+            members = ranks.permute(rest + dims).reshape(-1, group_size)
+            groups["".join(axes)], _ = dist.new_subgroups_by_enumeration(members.tolist(), timeout=timeout)
+    coords = tuple(int(c) for c in mesh.get_coordinate())
+    _current = Grid(shape, dp, coords, mesh, timeout, groups)
+    return _current
+
+
+def get_grid() -> Grid:
+    """The grid made current by the last :func:`init_grid`."""
+    if _current is None:
+        raise RuntimeError("no grid: call lightning_3d.init_grid(shape=(px, py, pz)) first, or pass grid= to the layer")
+    return _current
+
+
+def set_grid(grid: Grid | None) -> None:
+    """Make ``grid`` the current grid (or clear it with None)."""
+    global _current
+    _current = grid
+
+
+def resolve_grid(grid: Grid | None) -> Grid:
+    """``grid`` itself, or the current grid when None."""
+    return grid if grid is not None else get_grid()

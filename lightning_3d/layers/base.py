@@ -1,0 +1,87 @@
+"""What every 3-D layer shares: sharded parameters, dense state dicts, and their description."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..grid import Grid, resolve_grid
+from ..sharding import ShardSpec, get_spec, set_spec, shard_tensor, unshard_tensor
+
+
+def sharded_parameter(spec: ShardSpec, grid: Grid, what: str, device=None, dtype=None) -> nn.Parameter:
+    """An uninitialised plain ``nn.Parameter`` holding this rank's shard, tagged with ``spec``."""
+    spec.check(grid, what)
+    return set_spec(nn.Parameter(torch.empty(spec.local_shape(grid), device=device, dtype=dtype)), spec)
+
+
+@torch.no_grad()
+def init_sharded_(param: torch.Tensor, grid: Grid, init: Callable[[torch.Tensor], object]) -> None:
+    """Initialise the global tensor with ``init`` and keep this rank's shard.
+
+    Every rank draws the whole tensor from the same RNG state, so the global weights equal those a
+    1×1×1 grid (or the dense ``torch.nn`` module, for the same init) would draw.
+    """
+    if param.is_meta:
+        return
+    full = torch.empty(get_spec(param).global_shape, device=param.device, dtype=param.dtype)
+    init(full)
+    param.copy_(shard_tensor(full, get_spec(param), grid))
+
+
+@torch.no_grad()
+def dense_state_dict(module: nn.Module, grid: Grid) -> dict[str, torch.Tensor]:
+    """Full tensors under the module's own keys, on every cube rank (collective over the cube)."""
+    out, done = {}, {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        spec = get_spec(t)
+        if spec is None:
+            out[key] = t.detach().clone()
+        else:
+            if id(t) not in done:
+                done[id(t)] = unshard_tensor(t.detach(), spec, grid)
+            out[key] = done[id(t)]
+    return out
+
+
+@torch.no_grad()
+def load_dense_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], grid: Grid, strict: bool = True) -> None:
+    """Copy each rank's shard out of full tensors keyed as :func:`dense_state_dict` returns them."""
+    own = module.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise KeyError(f"dense state dict does not match the module: missing {missing}, unexpected {unexpected}")
+    for key, t in own.items():
+        if key not in state_dict:
+            continue
+        full = state_dict[key]
+        spec = get_spec(t)
+        shape = spec.global_shape if spec is not None else tuple(t.shape)
+        if tuple(full.shape) != shape:
+            raise ValueError(f"{key}: the dense state dict holds shape {list(full.shape)}, the module expects {list(shape)}")
+        t.copy_(full if spec is None else shard_tensor(full.to(t.device), spec, grid))
+
+
+class Module3D(nn.Module):
+    """Base of the 3-D layers: holds the grid and exchanges weights as dense state dicts."""
+
+    def __init__(self, grid: Grid | None = None):
+        super().__init__()
+        self.grid = resolve_grid(grid)
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under the keys of the equivalent ``torch.nn`` module (collective over the cube)."""
+        return dense_state_dict(self, self.grid)
+
+    def load_dense_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load full tensors keyed as the equivalent ``torch.nn`` module's state dict."""
+        load_dense_state_dict(self, state_dict, self.grid, strict)
+
+    def _describe(self, **fields) -> str:
+        px, py, pz = self.grid.shape
+        head = ", ".join(f"{k}={v}" for k, v in fields.items())
+        specs = "; ".join(f"{n}: {get_spec(p).describe(self.grid)}" for n, p in self.named_parameters(recurse=False))
+        return f"{head}, grid={px}×{py}×{pz}" + (f", {specs}" if specs else "")

@@ -1,0 +1,48 @@
+"""VocabParallelEmbedding3D: full token ids in, z-layout activation out."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..grid import Grid
+from ..layout import Layout
+from ..ops.embedding import vocab_parallel_embedding
+from .base import Module3D, init_sharded_, sharded_parameter
+from .linear import linear_weight_spec
+
+
+class VocabParallelEmbedding3D(Module3D):
+    """``nn.Embedding`` with the weight ``[V, h]`` laid out as a z→y :class:`Linear3D` weight.
+
+    Local weight ``[V/(px·py), h/pz]``; an LM head ``Linear3D(h, V, input_layout="z")`` can share
+    it. Input: token ids ``[b, ...]``, the same on every cube rank. Output: z-layout
+    ``[b/(px·py), ..., h/pz]``.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, grid: Grid | None = None, device=None, dtype=None):
+        super().__init__(grid)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        spec = linear_weight_spec(num_embeddings, embedding_dim, Layout("z"))
+        self.weight = sharded_parameter(spec, self.grid, f"VocabParallelEmbedding3D({num_embeddings}, {embedding_dim}) weight", device, dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Embedding``'s init (standard normal) on the global tensor."""
+        init_sharded_(self.weight, self.grid, nn.init.normal_)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        px, py, _ = self.grid.shape
+        b = ids.shape[0]
+        if b % (px * py):
+            raise ValueError(
+                f"VocabParallelEmbedding3D: batch {b} must be divisible by px·py = {px * py} on grid {self.grid.shape}; "
+                f"use a batch that is a multiple of {px * py}"
+            )
+        i, j = self.grid.coord("x"), self.grid.coord("y")
+        rows = b // px
+        vocab_start = j * (self.num_embeddings // py)
+        return vocab_parallel_embedding(ids[i * rows : (i + 1) * rows], self.weight, vocab_start, self.grid.group("x"), self.grid.group("y"))
+
+    def extra_repr(self) -> str:
+        return self._describe(num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim, layout="ids→z")

@@ -1,0 +1,47 @@
+"""Vocabulary-parallel embedding lookup: full token ids in, z-layout activation out.
+
+The weight ``[V, h]`` lies as a z→y Linear3D weight: local ``[V/(px·py), h/pz]``, vocab block
+``(j, i)``. Forward all-gathers it over x (vocab block ``j`` of ``V/py`` rows), looks up the ids of
+batch block ``i`` that fall in that vocab block (zero for the others), and reduce-scatters over y
+on the batch dim: rank ``(i, j, l)`` ends with batch block ``(i, j)``, features ``l``.
+Backward mirrors it: all-gather dY over y, scatter-add into the vocab block, reduce-scatter over x.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+
+
+class _VocabParallelEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, vocab_start, group_x, group_y):
+        w_block, _ = comm.all_gather_dim0(weight, group_x)  # [V/py, h/pz]
+        local = ids - vocab_start
+        hit = (local >= 0) & (local < w_block.shape[0])
+        local = torch.where(hit, local, torch.zeros_like(local))
+        out = torch.nn.functional.embedding(local, w_block) * hit.unsqueeze(-1).to(w_block.dtype)
+        ctx.save_for_backward(local, hit)
+        ctx.weight_shape, ctx.group_x, ctx.group_y = w_block.shape, group_x, group_y
+        out, _ = comm.reduce_scatter_dim0(out, group_y)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, hit = ctx.saved_tensors
+        grad_full, _ = comm.all_gather_dim0(grad, ctx.group_y)  # [b/px, s, h/pz]
+        grad_full = grad_full * hit.unsqueeze(-1).to(grad_full.dtype)
+        w_grad = grad_full.new_zeros(ctx.weight_shape)
+        w_grad.index_add_(0, local.reshape(-1), grad_full.reshape(-1, grad_full.shape[-1]))
+        w_grad, _ = comm.reduce_scatter_dim0(w_grad, ctx.group_x)
+        return None, w_grad, None, None, None
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, group_x, group_y) -> torch.Tensor:
+    """Look up ``ids`` ``[b/px, s]`` (this x block's sequences) in the sharded ``weight``.
+
+    ``vocab_start`` is the first token id of this rank's y vocab block (``j · V/py``).
+    Returns ``[b/(px·py), s, h/pz]`` in z-layout.
+    """
+    return _VocabParallelEmbedding.apply(ids, weight, vocab_start, group_x, group_y)

@@ -1,0 +1,66 @@
+"""Comparison helpers that run inside the workers: a 3-D computation against its dense twin."""
+
+from __future__ import annotations
+
+import torch
+
+import harness
+from lightning_3d.layout import as_layout
+from lightning_3d.sharding import ShardSpec, get_spec, shard_tensor
+
+# Every grid of the cube shapes the standards name, each in a world of 8 (the rest is dp).
+GRIDS_8 = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
+TOL = 1e-10
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖a − ref‖ / ‖ref‖; fails loudly on a zero reference (a test that could not fail)."""
+    ref_norm = ref.norm()
+    if ref_norm == 0:
+        raise AssertionError("reference is all zeros: this comparison could not fail")
+    if a.shape != ref.shape:
+        raise AssertionError(f"shape {list(a.shape)} != reference {list(ref.shape)}")
+    return float((a.double() - ref.double()).norm() / ref_norm)
+
+
+def local(full: torch.Tensor, layout, grid) -> torch.Tensor:
+    """This rank's block of a full activation."""
+    return shard_tensor(full, as_layout(layout).spec(tuple(full.shape)), grid)
+
+
+def seed_for(grid, seed: int) -> int:
+    """Fresh data per dp replica: replicas see different inputs, as data parallelism does."""
+    return seed * 1009 + grid.coord("dp")
+
+
+def compare_module(mod3d, dense, x_full, in_layout, out_layout, grid, seed) -> dict[str, float]:
+    """Output, input gradient and every parameter gradient of ``mod3d`` against ``dense``."""
+    torch.manual_seed(seed_for(grid, seed) + 1)
+    x_full = x_full.detach().requires_grad_()
+    x = local(x_full, in_layout, grid).detach().clone().requires_grad_()
+    y_ref = dense(x_full)
+    w = torch.randn_like(y_ref)
+    (y_ref * w).sum().backward()
+    y = mod3d(x)
+    (y * local(w, out_layout, grid)).sum().backward()
+    errs = {"out": rel(y, local(y_ref, out_layout, grid)), "dx": rel(x.grad, local(x_full.grad, in_layout, grid))}
+    dense_params = dict(dense.named_parameters())
+    for name, p in mod3d.named_parameters():
+        ref = dense_params[name].grad
+        spec = get_spec(p)
+        errs["d" + name] = rel(p.grad, shard_tensor(ref, spec, grid) if spec is not None else ref)
+    return errs
+
+
+def on_grids(grids, job, *args) -> dict:
+    """Run ``job(grid, *args)`` on each grid shape in ``grids`` (the rest of the world is dp); {shape: result}."""
+    return {shape: job(harness.grid(shape), *args) for shape in grids}
+
+
+def assert_close(results: list, tol: float = TOL) -> None:
+    """Per-rank {grid: {what: err}} → assert every error below ``tol``."""
+    bad = [(rank, g, k, e) for rank, r in enumerate(results) for g, errs in r.items() for k, e in errs.items() if not e < tol]
+    assert not bad, f"errors above {tol}: {bad[:10]}"
+
+
+__all__ = ["GRIDS_8", "ShardSpec", "TOL", "assert_close", "compare_module", "local", "on_grids", "rel", "seed_for"]
