@@ -1,0 +1,37 @@
+"""The attention core both models share: RoPE and causal SDPA over whole local sequences.
+
+:class:`DenseGPT` calls it on all heads; :class:`GPT3D` on the heads of its y block (rows of every
+layout are whole sequences, so attention needs no communication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``[seq_len, head_dim]``, for the rotate-half RoPE convention (Llama / HF)."""
+    dtype = torch.promote_types(dtype, torch.float32)
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=dtype), inv_freq)
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate ``x`` ``[b, s, heads, head_dim]`` by position."""
+    cos, sin = (t[: x.shape[1], None, :].to(x.dtype) for t in rope)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal self-attention of ``q, k, v`` ``[b, s, heads·head_dim]`` → ``[b, s, heads·head_dim]``."""
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
+    if rope is not None:
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    return y.transpose(1, 2).flatten(-2)

@@ -1,0 +1,124 @@
+"""DenseGPT: the plain ``torch.nn`` twin of :class:`GPT3D`, its reference and exchange format.
+
+nanoGPT's structure and state-dict keys. Fused weights: ``attn.c_attn.weight`` ``[3h, h]`` stacks
+q, k, v (each ``[h, h]``, heads in order); for llama, ``mlp.c_fc.weight`` ``[2·ffn, h]`` stacks gate
+and up. With ``tie_embeddings`` there is no ``lm_head`` key: the head is ``transformer.wte.weight``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import causal_attention, rope_tables
+from .config import GPTConfig
+from .init import init_dense_tensor_
+from .mlp import mlp_activation
+from .sampling import generate_tokens
+
+
+def check_sequence(seq_len: int, config: GPTConfig) -> None:
+    """Raise ``ValueError`` when a sequence is longer than the model's ``block_size``."""
+    if seq_len > config.block_size:
+        raise ValueError(
+            f"sequence length {seq_len} exceeds block_size {config.block_size}; "
+            f"crop the input to its last {config.block_size} tokens or build the model with block_size >= {seq_len}"
+        )
+
+
+def norm(config: GPTConfig, **factory) -> nn.Module:
+    if config.style == "gpt2":
+        return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias, **factory)
+    return nn.RMSNorm(config.n_embd, eps=config.norm_eps, **factory)
+
+
+class DenseAttention(nn.Module):
+    def __init__(self, config: GPTConfig, **factory):
+        super().__init__()
+        h = config.n_embd
+        self.head_dim = config.head_dim
+        self.c_attn = nn.Linear(h, 3 * h, bias=config.bias, **factory)
+        self.c_proj = nn.Linear(h, h, bias=config.bias, **factory)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        q, k, v = self.c_attn(x).chunk(3, -1)
+        return self.resid_dropout(self.c_proj(causal_attention(q, k, v, self.head_dim, rope)))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, config: GPTConfig, **factory):
+        super().__init__()
+        self.style = config.style
+        fused = 2 if config.style == "llama" else 1
+        self.c_fc = nn.Linear(config.n_embd, fused * config.ffn_hidden, bias=config.bias, **factory)
+        self.c_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias, **factory)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.c_fc(x).chunk(2, -1) if self.style == "llama" else (self.c_fc(x),)
+        return self.dropout(self.c_proj(mlp_activation(self.style, *parts)))
+
+
+class DenseBlock(nn.Module):
+    def __init__(self, config: GPTConfig, **factory):
+        super().__init__()
+        self.ln_1 = norm(config, **factory)
+        self.attn = DenseAttention(config, **factory)
+        self.ln_2 = norm(config, **factory)
+        self.mlp = DenseMLP(config, **factory)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope)
+        return x + self.mlp(self.ln_2(x))
+
+
+class DenseGPT(nn.Module):
+    """Single-device GPT of ``config``. ``forward(idx [b, s], targets=None)`` → loss, or logits ``[b, s, V]``.
+
+    ``device``/``dtype`` place the parameters; weights are GPT-2's init drawn in state-dict order
+    (equal to :class:`GPT3D`'s from the same seed).
+    """
+
+    def __init__(self, config: GPTConfig, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        factory = {"device": "meta", "dtype": dtype}
+        modules = {"wte": nn.Embedding(config.vocab_size, config.n_embd, **factory)}
+        if config.style == "gpt2":
+            modules["wpe"] = nn.Embedding(config.block_size, config.n_embd, **factory)
+        modules["drop"] = nn.Dropout(config.dropout)
+        modules["h"] = nn.ModuleList(DenseBlock(config, **factory) for _ in range(config.n_layer))
+        modules["ln_f"] = norm(config, **factory)
+        self.transformer = nn.ModuleDict(modules)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False, **factory)
+        self.to_empty(device=device if device is not None else torch.get_default_device())
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's init (see :mod:`lightning_3d.models.init`), drawn in state-dict order."""
+        for key, t in self.state_dict().items():
+            init_dense_tensor_(key, t, self.config)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        b, s = idx.shape
+        check_sequence(s, self.config)
+        x = self.transformer.wte(idx)
+        rope = None
+        if self.config.style == "gpt2":
+            x = x + self.transformer.wpe.weight[:s]
+        else:
+            rope = rope_tables(s, self.config.head_dim, self.config.rope_theta, x.device, x.dtype)
+        x = self.transformer.drop(x)
+        for block in self.transformer.h:
+            x = block(x, rope)
+        x = self.transformer.ln_f(x)
+        logits = F.linear(x, self.transformer.wte.weight) if self.lm_head is None else self.lm_head(x)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` ``[b, s]`` (see :func:`generate_tokens`)."""
+        return generate_tokens(lambda i: self(i)[:, -1], idx, max_new_tokens, self.config.block_size, temperature, top_k)

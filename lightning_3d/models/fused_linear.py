@@ -1,0 +1,75 @@
+"""FusedLinear3D: ``groups`` Linear3D layers that read the same input, run as one 3-D matmul.
+
+The dense twin is ``nn.Linear(in, groups·out)`` whose output is ``groups`` chunks (q, k, v; or gate,
+up). A plain Linear3D split of that ``[groups·out, in]`` weight would give y-block ``j`` rows of
+one chunk only; attention needs q, k and v of the same heads on one rank. So the global tensor is
+the dense weight viewed as ``[groups, out, in]`` and only ``out`` is cut:
+
+- weight ``ShardSpec((groups, out, in), ((), (r, "x"), (f,)))``: local ``[groups, out/(px·pr), in/pf]``
+  (``f`` the input layout's feature axis, ``r`` its other row axis);
+- bias ``ShardSpec((groups, out), ((), (r,)))``: local ``[groups, out/pr]``, replicated over x and f.
+
+The dense weight is the row-major flattening of the global tensor (``reshape(groups·out, in)``), so
+dense export, load and resharding all follow from the spec with no permutation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..grid import Grid
+from ..layers.base import Module3D, init_sharded_, sharded_parameter
+from ..layers.linear import linear_weight_spec
+from ..layout import Layout, as_layout, check_local_activation
+from ..ops.matmul import matmul_abt
+from ..ops.replicated import use_replicated
+from ..sharding import ShardSpec
+
+
+class FusedLinear3D(Module3D):
+    """``groups`` stacked ``in → out`` linears on one input.
+
+    Input: a block ``[b/(px·pr), ..., in/pf]`` of ``input_layout``. Output:
+    ``[groups, b/(px·pf), ..., out/pr]`` in the other layout: entry ``g`` is group ``g``'s output
+    block ``j`` (``out`` cut by ``pr``), exactly what ``Linear3D(in, out)`` would give for that group.
+    """
+
+    def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True,
+                 input_layout: str | Layout = "z", grid: Grid | None = None, device=None, dtype=None,
+                 save_gathered: bool = True):
+        super().__init__(grid)
+        self.in_features, self.out_features, self.groups = in_features, out_features, groups
+        self.input_layout = as_layout(input_layout)
+        self.output_layout = self.input_layout.other
+        self.save_gathered = save_gathered
+        what = f"FusedLinear3D({in_features}, {groups}×{out_features}, input_layout={self.input_layout})"
+        plain = linear_weight_spec(out_features, in_features, self.input_layout)
+        self.weight = sharded_parameter(ShardSpec((groups,) + plain.global_shape, ((),) + plain.dims), self.grid, what + " weight", device, dtype)
+        bias_spec = ShardSpec((groups, out_features), ((), (self.input_layout.row_axis,)))
+        self.bias = sharded_parameter(bias_spec, self.grid, what + " bias", device, dtype) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear(in, out)``'s init for each group."""
+        bound = 1 / math.sqrt(self.in_features)
+        init_sharded_(self.weight, self.grid, lambda w: [nn.init.kaiming_uniform_(g, a=math.sqrt(5)) for g in w])
+        if self.bias is not None:
+            init_sharded_(self.bias, self.grid, lambda b: nn.init.uniform_(b, -bound, bound))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
+        directions = (self.input_layout.row_axis, "x", self.input_layout.feature_axis)
+        y = matmul_abt(x, self.weight.flatten(0, 1), directions, self.grid, self.save_gathered)
+        # The x all-gather stacked the weight blocks as [px, groups, out/(px·pr)]: regroup per group.
+        y = y.unflatten(-1, (self.grid.size("x"), self.groups, -1)).movedim(-2, 0).flatten(-2)
+        if self.bias is not None:
+            bias = use_replicated(self.bias, self.grid).to(y.dtype)
+            y = y + bias.reshape((self.groups,) + (1,) * (y.dim() - 2) + (-1,))
+        return y
+
+    def extra_repr(self) -> str:
+        return self._describe(in_features=self.in_features, out_features=self.out_features, groups=self.groups,
+                              layout=f"{self.input_layout}→{self.output_layout}")

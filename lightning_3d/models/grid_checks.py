@@ -1,0 +1,48 @@
+"""What a grid asks of a GPT's sizes and of its inputs, as ``ValueError`` s that name the numbers and the fix."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..grid import Grid
+from .config import GPTConfig
+from .dense import check_sequence
+
+
+def _require(value: int, parts: int, what: str, why: str, grid: Grid) -> None:
+    if value % parts:
+        raise ValueError(
+            f"GPT3D on grid {'×'.join(map(str, grid.shape))}: {what} = {value} is not divisible by {why} = {parts} "
+            f"({value} % {parts} = {value % parts}); make {what} a multiple of {parts} or pick a grid that divides it"
+        )
+
+
+def check_grid(config: GPTConfig, grid: Grid) -> None:
+    """The sizes of ``config`` split evenly on ``grid`` (the vocabulary is padded, so it never fails)."""
+    px, py, pz = grid.shape
+    _require(config.n_head, py, "n_head", "py (each y rank attends with whole heads)", grid)
+    _require(config.n_embd, px * py, "n_embd", "px·py (rows of the z→y weights c_attn, c_fc)", grid)
+    _require(config.n_embd, px * pz, "n_embd", "px·pz (rows of the y→z weights c_proj)", grid)
+    _require(config.ffn_hidden, px * py, "ffn_hidden", "px·py (rows of the MLP's c_fc)", grid)
+
+
+def batch_multiple(grid: Grid) -> int:
+    """The batch size must be a multiple of this: ``lcm(px·py, px·pz)`` (z- and y-layout rows)."""
+    px, py, pz = grid.shape
+    return math.lcm(px * py, px * pz)
+
+
+def check_tokens(idx: torch.Tensor, config: GPTConfig, grid: Grid, what: str = "idx") -> None:
+    """``idx`` is ``[batch, seq]`` integer ids with a batch that splits on ``grid`` and ``seq <= block_size``."""
+    if idx.dim() != 2 or idx.is_floating_point() or idx.is_complex():
+        raise ValueError(f"GPT3D: {what} must be integer token ids [batch, seq], got {idx.dtype} of shape {list(idx.shape)}")
+    check_sequence(idx.shape[1], config)
+    px, py, pz = grid.shape
+    b, m = idx.shape[0], batch_multiple(grid)
+    if b % m:
+        raise ValueError(
+            f"GPT3D on grid {px}×{py}×{pz}: batch {b} must be divisible by px·py = {px * py} and px·pz = {px * pz}; "
+            f"use a batch that is a multiple of {m} (e.g. {m * math.ceil(b / m)})"
+        )
