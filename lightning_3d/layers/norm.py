@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..grid import Grid
@@ -45,11 +46,17 @@ class _Norm3D(Module3D):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_local_activation(x, self.layout, self.normalized_shape[0], self.grid, f"{type(self).__name__} input")
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        weight = use_replicated(self.weight, self.grid) if self.weight is not None else None
+        bias = use_replicated(self.bias, self.grid) if self.bias is not None else None
+        if self.grid.size(self.layout.feature_axis) == 1:  # whole rows on this rank: torch's fused kernel
+            if self.center:
+                return F.layer_norm(x, self.normalized_shape, weight, bias, eps)
+            return F.rms_norm(x, self.normalized_shape, weight, eps)
         y = normalize(x, self.normalized_shape[0], eps, self.center, self.grid.group(self.layout.feature_axis))
-        if self.weight is not None:
-            y = y * use_replicated(self.weight, self.grid)
-        if self.bias is not None:
-            y = y + use_replicated(self.bias, self.grid)
+        if weight is not None:
+            y = y * weight
+        if bias is not None:
+            y = y + bias
         return y
 
     def extra_repr(self) -> str:

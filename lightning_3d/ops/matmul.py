@@ -12,8 +12,9 @@ form        local product   backward dA            backward dB           used by
 ``"atb"``   ``Aᵀ @ B``      ``abt(B, dC)``         ``ab(A, dC)``         weight gradients
 ==========  ==============  =====================  ====================  ================
 
-Backward all-gathers dC over the C axis, reduce-scatters dA over the A axis (overlapping the dB
-product) and dB over the B axis. Since every operand was gathered on dim 0, every gradient lands
+Backward all-gathers dC over the C axis, reduce-scatters dA over the A axis and dB over the B
+axis; the product whose reduce-scatter moves more bytes runs first, so that its communication
+hides behind the other product. Since every operand was gathered on dim 0, every gradient lands
 back in its operand's own layout, and the sums over the replicated dimension are done by the
 reduce-scatters: no gradient needs any further reduction.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from .. import comm
 from ..grid import Grid, resolve_grid
@@ -49,14 +51,98 @@ _BACKWARD = {
 }
 
 
+class WeightPrefetch:
+    """While active, starts the all-gather of the next weight as soon as the current one is gathered.
+
+    Use it as a context manager around forward passes (``with prefetch: loss = model(x)``), or
+    :meth:`attach` it to a model to enter it around every forward. The first forward
+    records the order in which the 3-D products gather their operand B when it is a parameter
+    (or a view of one); from then on, gathering weight k also starts the gather of weight k+1,
+    so that its communication hides behind product k instead of delaying product k+1. A
+    prefetched weight is used only while it is the same version of the same storage in the same
+    dtype (an optimizer step in between discards it). One is held at a time, costing one
+    gathered weight of memory; results are bit-identical.
+    """
+
+    def __init__(self):
+        self._order: list[tuple[torch.Tensor, object]] = []
+        self._position: dict[tuple, int] = {}
+        self._ahead: tuple | None = None  # (key, version, dtype, gathered, handle)
+        self._outer: list[WeightPrefetch | None] = []
+
+    def __enter__(self) -> WeightPrefetch:
+        global _active_prefetch
+        self._outer.append(_active_prefetch)
+        _active_prefetch = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _active_prefetch
+        _active_prefetch = self._outer.pop()
+        self._drop()
+
+    def attach(self, module: torch.nn.Module) -> WeightPrefetch:
+        """Be active during every forward of ``module`` (forward hooks); returns ``self``."""
+        def enter(mod, args) -> None:
+            self.__enter__()
+
+        def leave(mod, args, out) -> None:
+            self.__exit__()
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+        return self
+
+    def _drop(self) -> None:
+        if self._ahead is not None:  # unused: let the stream finish with its buffer first
+            self._ahead[4].wait()
+            self._ahead = None
+
+    def gather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
+        """``all_gather_dim0(w.to(dtype), group, async_op=True)``, served from the prefetch when it matches."""
+        key = _storage_key(w)
+        ahead = self._ahead
+        if ahead is not None and ahead[:3] == (key, w._version, dtype):
+            self._ahead = None
+            gathered = ahead[3:]
+        else:
+            self._drop()
+            gathered = comm.all_gather_dim0(_cast(w, dtype), group, async_op=True)
+        if key not in self._position:
+            self._position[key] = len(self._order)
+            self._order.append((w, group))
+        following = self._position[key] + 1
+        if following < len(self._order):
+            w_next, group_next = self._order[following]
+            self._ahead = (_storage_key(w_next), w_next._version, dtype) + comm.all_gather_dim0(_cast(w_next, dtype), group_next, async_op=True)
+        return gathered
+
+
+_active_prefetch: WeightPrefetch | None = None
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
 class MatmulPlan(NamedTuple):
-    """What one 3-D matmul does: its form, its three groups, and whether it saves gathered operands."""
+    """What one 3-D matmul does: its form, its three groups, whether it saves gathered operands,
+    and the active :class:`WeightPrefetch` that gathers operand B (None: gather it here)."""
 
     form: str
     group_a: object
     group_b: object
     group_c: object
     save_gathered: bool
+    prefetch: WeightPrefetch | None = None
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None else t.to(dtype)
 
 
 def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
@@ -71,49 +157,50 @@ class _Matmul3D(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, plan: MatmulPlan) -> torch.Tensor:
         ctx.plan, ctx.dtypes = plan, (a.dtype, b.dtype)
-        cast = _autocast_dtype(a)
-        if cast is not None:  # communicate in the dtype autocast would multiply in
-            a, b = a.to(cast), b.to(cast)
+        cast = _autocast_dtype(a)  # communicate in the dtype autocast would multiply in
+        a = _cast(a, cast)
         a_full, wait_a = comm.all_gather_dim0(a, plan.group_a, async_op=True)
-        b_full, wait_b = comm.all_gather_dim0(b, plan.group_b, async_op=True)
+        if plan.prefetch is None:
+            b = _cast(b, cast)
+            b_full, wait_b = comm.all_gather_dim0(b, plan.group_b, async_op=True)
+        else:
+            b_full, wait_b = plan.prefetch.gather(b, plan.group_b, cast)
         wait_a.wait()
         wait_b.wait()
         c, _ = comm.reduce_scatter_dim0(_mm(plan.form, a_full, b_full), plan.group_c)
-        ctx.save_for_backward(*((a_full, b_full) if plan.save_gathered else (a, b)))
+        ctx.save_for_backward(*((a_full, b_full) if plan.save_gathered else (a, _cast(b, cast))))
         return c
 
     @staticmethod
     def backward(ctx, grad_c: torch.Tensor):
         plan = ctx.plan
-        need_a, need_b = ctx.needs_input_grad[:2]
         a, b = ctx.saved_tensors
         dc_full, wait_c = comm.all_gather_dim0(grad_c, plan.group_c, async_op=True)
-        wait_a = wait_b = comm.DONE
+        waits = [comm.DONE, comm.DONE]
         if not plan.save_gathered:
-            a, wait_a = comm.all_gather_dim0(a, plan.group_a, async_op=True)
-            b, wait_b = comm.all_gather_dim0(b, plan.group_b, async_op=True)
+            a, waits[0] = comm.all_gather_dim0(a, plan.group_a, async_op=True)
+            b, waits[1] = comm.all_gather_dim0(b, plan.group_b, async_op=True)
         wait_c.wait()
-        operands = [a, b, dc_full.to(a.dtype)]
-        (form_a, (x_a, y_a)), (form_b, (x_b, y_b)) = _BACKWARD[plan.form]
-        grad_a = grad_b = None
-        wait_ga = comm.DONE
-        if need_a:  # every dA product reads B, every dB product reads A
-            wait_b.wait()
-            grad_a, wait_ga = comm.reduce_scatter_dim0(_mm(form_a, operands[x_a], operands[y_a]), plan.group_a, async_op=True)
-        if need_b:
-            wait_a.wait()
-            grad_b, _ = comm.reduce_scatter_dim0(_mm(form_b, operands[x_b], operands[y_b]), plan.group_b)
-            grad_b = grad_b.to(ctx.dtypes[1])
-        wait_ga.wait()
-        if grad_a is not None:
-            grad_a = grad_a.to(ctx.dtypes[0])
-        return grad_a, grad_b, None
+        operands = (a, b, dc_full.to(a.dtype))
+        groups = (plan.group_a, plan.group_b)
+        # the reduce-scatter of gradient k sends (|group_k| - 1)/|group_k| of its product: run the larger first
+        moved = [operands[k].numel() * (dist.get_world_size(groups[k]) - 1) if ctx.needs_input_grad[k] else -1 for k in (0, 1)]
+        grads, scatters = [None, None], []
+        for k in sorted((k for k in (0, 1) if moved[k] >= 0), key=lambda k: -moved[k]):
+            form, (x, y) = _BACKWARD[plan.form][k]
+            waits[1 - k].wait()  # dA reads B, dB reads A
+            grads[k], done = comm.reduce_scatter_dim0(_mm(form, operands[x], operands[y]), groups[k], async_op=True)
+            scatters.append(done)
+        for done in scatters:
+            done.wait()
+        return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None,)
 
 
 def _matmul(form: str, a, b, directions, grid, save_gathered) -> torch.Tensor:
     grid = resolve_grid(grid)
     ga, gb, gc = (grid.group(axis) for axis in directions)
-    return _Matmul3D.apply(a, b, MatmulPlan(form, ga, gb, gc, save_gathered))
+    prefetch = _active_prefetch if _is_parameter(b) else None
+    return _Matmul3D.apply(a, b, MatmulPlan(form, ga, gb, gc, save_gathered, prefetch))
 
 
 def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_gathered: bool = True) -> torch.Tensor:
@@ -121,7 +208,8 @@ def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_g
 
     ``a`` ``[m, ..., n]`` and ``b`` ``[n', k]`` are local blocks whose dim 0 is cut by the axis
     that gathers them; ``save_gathered=False`` re-gathers A and B in backward instead of keeping
-    them (less memory, more communication).
+    them (less memory, more communication). Inside an active :class:`WeightPrefetch`, a
+    parameter B is gathered one product ahead.
     """
     return _matmul("ab", a, b, directions, grid, save_gathered)
 

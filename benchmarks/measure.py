@@ -1,0 +1,172 @@
+"""What the benchmark measures besides models: device rates, step timing, and profiler timelines.
+
+Every function runs on every rank (collectives inside are matched) and works on CUDA (NCCL) and
+on CPU (gloo, tiny sizes, for the smoke test).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from lightning_3d import comm
+
+
+class Timer:
+    """Marks inside one step; ``split()`` after the step gives the ms between consecutive marks."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def split(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            out = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            out = [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        self.marks = []
+        return out
+
+
+def median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median time of ``fn()`` over ``iters`` runs after ``warmup``, by device events."""
+    timer = Timer(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        timer.mark()
+        fn()
+        timer.mark()
+        times += timer.split()
+    return statistics.median(times)
+
+
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: int = 20) -> float:
+    """Rate of an ``n³`` product on this device, TFLOP/s (random operands)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn_like(a)
+    ms = median_ms(lambda: a @ b, device, 3, iters)
+    return 2 * n**3 / ms / 1e9
+
+
+def copy_gbps(device: torch.device, nbytes: int) -> float:
+    """Device memory bandwidth of a large copy, GB/s (bytes read + written)."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = median_ms(lambda: y.copy_(x), device, 3, 20)
+    return 2 * nbytes / ms / 1e6
+
+
+def collective_rates(device: torch.device, group_size: int, sizes: tuple[int, int], iters: int) -> dict:
+    """Latency (µs) and bus bandwidth (GB/s) of all-gather, reduce-scatter and all-reduce in groups
+    of ``group_size`` consecutive ranks, all groups at once, fitted as ``t = α + moved/β`` from
+    two message sizes (bytes of the full, gathered tensor)."""
+    group, _ = dist.new_subgroups(group_size)
+    g = group_size
+    out = {}
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        points = []
+        for nbytes in sizes:
+            full = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
+            part = full[: full.numel() // g].clone()
+            if op == "all_gather":
+                fn, moved = (lambda: comm.all_gather_dim0(part, group)), nbytes * (g - 1) / g
+            elif op == "reduce_scatter":
+                fn, moved = (lambda: comm.reduce_scatter_dim0(full, group)), nbytes * (g - 1) / g
+            else:
+                fn, moved = (lambda: comm.all_reduce(full, group)), 2 * nbytes * (g - 1) / g
+            ms = max(all_reduce_max([median_ms(fn, device, 3, iters)], device))
+            points.append((moved, ms * 1e-3))
+        (m0, t0), (m1, t1) = points
+        beta = (m1 - m0) / max(t1 - t0, 1e-9)
+        out[op] = {"latency_us": max(t0 - m0 / beta, 0.0) * 1e6, "busbw_GBps": beta / 1e9,
+                   "points": [{"moved_bytes": m, "ms": t * 1e3} for m, t in points]}
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of union ``a`` not covered by union ``b`` (both sorted, disjoint)."""
+    total, j = 0.0, 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                total += b[k][0] - cur
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            total += e - cur
+    return total
+
+
+def kernel_timeline(trace_path: str) -> dict:
+    """From a chrome trace: ms of GPU time with communication kernels running and no other kernel
+    (exposed communication), of any kernel (busy), and of communication kernels in all."""
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    comm, compute = [], []
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            span = (e["ts"], e["ts"] + e["dur"])
+            (comm if "nccl" in e.get("name", "").lower() else compute).append(span)
+    comm_u, compute_u = _union(comm), _union(compute)
+    return {"exposed_comm_ms": _minus(comm_u, compute_u) / 1e3, "comm_ms": _length(comm_u) / 1e3,
+            "busy_ms": _length(_union(comm + compute)) / 1e3, "kernels": len(comm) + len(compute)}
+
+
+def profile_steps(step, steps: int, trace_path: str) -> dict:
+    """Run ``step()`` ``steps`` times under the torch profiler; write a gzipped chrome trace and
+    return its :func:`kernel_timeline`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    raw = trace_path[:-3] if trace_path.endswith(".gz") else trace_path
+    prof.export_chrome_trace(raw)
+    if raw != trace_path:
+        with open(raw, "rb") as src, gzip.open(trace_path, "wb") as dst:
+            dst.write(src.read())
+        os.remove(raw)
+    return kernel_timeline(trace_path)
