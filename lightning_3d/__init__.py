@@ -39,3 +39,18 @@ __all__ = [
     "split_activation",
     "vocab_parallel_cross_entropy",
 ]
+
+# Lightning integration: "tensor3d" joins Lightning's strategy registries as soon as Lightning is
+# imported (at once if it already is); Lightning itself is never imported here.
+from .strategy import register_on_import as _register_on_import  # noqa: E402
+
+_register_on_import()
+
+
+def __getattr__(name: str):
+    """``Tensor3DStrategy`` on first use (it imports Lightning)."""
+    if name == "Tensor3DStrategy":
+        from .strategy import Tensor3DStrategy
+
+        return Tensor3DStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

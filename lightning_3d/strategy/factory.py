@@ -1,0 +1,318 @@
+"""The one definition of ``Tensor3DStrategy``, instantiated per Lightning namespace.
+
+``lightning.pytorch`` and ``pytorch_lightning`` ship the same code under two names, with distinct
+base classes and registries, so :func:`define_strategy` builds the class from the namespace's own
+modules. The class extends Lightning's ``DDPStrategy`` (launcher, process-group setup, barrier,
+object broadcast, manual-optimization hooks) and replaces what must change on a grid:
+
+- ``setup_environment`` builds the grid (all groups) before ``configure_model``, makes it current
+  and exposes it as ``LightningModule.grid``;
+- ``setup`` wraps the module in DDP over the **dp group only** (no whole-world parameter
+  broadcast, in any stage), optionally makes each optimizer ZeRO-1 over dp, and makes the
+  precision plugin clip by the global 3-D norm (and, for fp16, agree on overflow over the world);
+- data, ``reduce``, ``all_gather`` and ``self.log(sync_dist=True)`` work over dp: every cube rank
+  holds one replica's value, so reducing over the world would count it ``px·py·pz`` times;
+- checkpoints are sharded directories (:mod:`lightning_3d.checkpoint`) plus ``meta.pt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import checkpoint as ckpt
+from ..grad_norm import clip_grad_norm_
+from ..grid import Grid, init_grid, set_grid
+from . import grid_rules
+from .zero import ShardedOptimizerState
+
+FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
+META_FILE = "meta.pt"
+PARAM_GROUPS_KEY = "tensor3d_param_groups"
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+_COLLECTIVE_FAILURE = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe", "watchdog")
+
+_grids: dict[tuple, Grid] = {}
+
+
+def _grid(shape: tuple[int, int, int], dp: int, device_type: str, timeout: datetime.timedelta) -> Grid:
+    """One grid per shape and world group: a second fit/validate in the same processes reuses its groups."""
+    key = (shape, dp, device_type, timeout, id(dist.group.WORLD))
+    if key not in _grids:
+        _grids[key] = init_grid(shape, dp, device_type=device_type, timeout=timeout)
+    return _grids[key]
+
+
+class GlobalNormClipping:
+    """Precision-plugin mixin: ``gradient_clip_val`` clips by the 3-D model's global norm."""
+
+    tensor3d_grid: Grid
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val, self.tensor3d_grid)
+
+
+_clipping_classes: dict[type, type] = {}
+
+
+def _clip_globally(plugin, grid: Grid) -> None:
+    """Give ``plugin`` (any precision plugin) the :class:`GlobalNormClipping` behaviour, keeping its qualname."""
+    cls = type(plugin)
+    if not isinstance(plugin, GlobalNormClipping):
+        if cls not in _clipping_classes:
+            _clipping_classes[cls] = type(cls.__name__, (GlobalNormClipping, cls), {"__qualname__": cls.__qualname__})
+        plugin.__class__ = _clipping_classes[cls]
+    plugin.tensor3d_grid = grid
+
+
+def _agree_on_overflow(plugin) -> None:
+    """fp16: the loss scaler skips a step on every rank when any rank's shard overflowed."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is None or isinstance(scaler, ShardedGradScaler):
+        return
+    plugin.scaler = ShardedGradScaler(
+        scaler._device, init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
+        backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
+        enabled=scaler._enabled, process_group=dist.group.WORLD)
+
+
+def _as_timedelta(timeout: datetime.timedelta | float) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return datetime.timedelta(seconds=timeout)
+
+
+def define_strategy(namespace: str, module_name: str) -> type:
+    """``Tensor3DStrategy`` for ``namespace`` (``"lightning.pytorch"`` or ``"pytorch_lightning"``), living in ``module_name``."""
+    fabric = FABRIC[namespace]
+    DDPStrategy = importlib.import_module(f"{namespace}.strategies").DDPStrategy
+    StrategyRegistry = importlib.import_module(f"{namespace}.strategies").StrategyRegistry
+    TrainerFn = importlib.import_module(f"{namespace}.trainer.states").TrainerFn
+    rank_zero_info = importlib.import_module(f"{namespace}.utilities.rank_zero").rank_zero_info
+    distributed = importlib.import_module(f"{fabric}.utilities.distributed")
+    pl_worker_init_function = importlib.import_module(f"{fabric}.utilities.seed").pl_worker_init_function
+    optimizers_to_device = importlib.import_module(f"{fabric}.utilities.optimizer")._optimizers_to_device
+
+    class Tensor3DStrategy(DDPStrategy):
+        """3-D tensor parallelism (Bian et al. 2021) on a ``dp × px × py × pz`` grid of processes.
+
+        The LightningModule builds its 3-D layers (``Linear3D``, ...) in ``configure_model()``;
+        the grid exists by then as ``self.grid`` and is the current grid, so layers need no
+        ``grid=`` argument. Every rank of a cube (one model replica) gets the same batch; dp
+        replicas get different ones, and their gradients are averaged over dp only.
+
+        Args:
+            grid: ``(px, py, pz)``, or ``"auto"``: the devices of one node (``world / dp`` when
+                ``data_parallel_size`` is given) factored as evenly as possible, px ≥ py ≥ pz
+                (8 → 2×2×2, 4 → 2×2×1, 2 → 2×1×1).
+            data_parallel_size: model replicas, or ``"auto"``: the rest of the world.
+            zero_stage: 0, or 1 to shard optimizer state over the dp group (ZeRO-1).
+            process_group_backend: ``"nccl"`` / ``"gloo"``; default from the device.
+            timeout: collective timeout (timedelta or seconds): how long a rank waits for a dead
+                or stalled peer before the run fails.
+
+        Raises:
+            ValueError: a bad ``grid``, ``data_parallel_size``, ``zero_stage`` or ``timeout``; at
+                setup, numbers that do not multiply to the world size.
+        """
+
+        def __init__(
+            self,
+            grid: Literal["auto"] | tuple[int, int, int] = "auto",
+            data_parallel_size: Literal["auto"] | int = "auto",
+            zero_stage: int = 0,
+            process_group_backend: str | None = None,
+            timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+            accelerator=None,
+            parallel_devices: list[torch.device] | None = None,
+            cluster_environment=None,
+            checkpoint_io=None,
+            precision_plugin=None,
+        ) -> None:
+            super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+                             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+                             process_group_backend=process_group_backend, timeout=_as_timedelta(timeout), start_method="popen")
+            self._grid_arg = grid_rules.check_grid_arg(grid)
+            self._dp_arg = grid_rules.check_dp_arg(data_parallel_size)
+            if zero_stage not in (0, 1):
+                raise ValueError(f"zero_stage must be 0 or 1 (optimizer state sharded over dp), got {zero_stage!r}")
+            self.zero_stage = zero_stage
+            self._grid: Grid | None = None
+            self._zero: dict[int, ShardedOptimizerState] = {}
+
+        # ----- the grid -----
+
+        @property
+        def grid(self) -> Grid:
+            """The process grid (exists once the processes are set up, before ``configure_model``)."""
+            if self._grid is None:
+                raise RuntimeError("Tensor3DStrategy.grid exists once Trainer.fit/validate/test/predict has set up the processes")
+            return self._grid
+
+        def setup_environment(self) -> None:
+            super().setup_environment()
+            shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes)
+            self._grid = _grid(shape, dp, self.root_device.type, self._timeout)
+            set_grid(self._grid)
+            self.lightning_module.grid = self._grid
+            self.lightning_module._device_mesh = self._grid.mesh
+            px, py, pz = shape
+            rank_zero_info(f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}")
+
+        @property
+        def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            return {"num_replicas": self.grid.data_parallel_size, "rank": self.grid.coord("dp")}
+
+        def process_dataloader(self, dataloader: object) -> object:
+            """Seed dataloader workers by dp rank, so the cube ranks that share a batch draw alike."""
+            if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
+                dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self.grid.coord("dp"))
+            return dataloader
+
+        # ----- model and optimizers -----
+
+        def setup(self, trainer) -> None:
+            self.accelerator.setup(trainer)
+            if self._layer_sync is not None:
+                raise ValueError("sync_batchnorm is not supported by the tensor3d strategy; use LayerNorm3D / RMSNorm3D")
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            if fitting:
+                if self.grid.data_parallel_size > 1:
+                    self.configure_ddp()
+                self.setup_optimizers(trainer)
+            self._clip_and_scale_globally()
+            self.setup_precision_plugin()
+            if fitting:
+                optimizers_to_device(self.optimizers, self.root_device)
+
+        def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+            """DDP over the dp group: it averages gradients over the replicas of each shard only."""
+            return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), process_group=self.grid.group("dp"))
+
+        def setup_optimizers(self, trainer) -> None:
+            self._reset_optimizers_and_schedulers()
+            for zero in self._zero.values():
+                zero.remove()
+            self._zero = {}
+            super().setup_optimizers(trainer)
+            if self.zero_stage == 1:
+                self._zero = {id(opt): ShardedOptimizerState(opt, self.grid) for opt in map(_unwrap, self.optimizers)}
+
+        def _clip_and_scale_globally(self) -> None:
+            _clip_globally(self.precision_plugin, self.grid)
+            _agree_on_overflow(self.precision_plugin)
+
+        def _holds_state(self, optimizer):
+            zero = self._zero.get(id(optimizer))
+            return zero.holds_state if zero is not None else (lambda p: True)
+
+        # ----- collectives over dp -----
+
+        def reduce(self, tensor, group: Any | None = None, reduce_op="mean"):
+            """Reduce over the dp group by default: a value logged on a cube rank stands for its whole replica."""
+            if not isinstance(tensor, torch.Tensor):
+                return tensor
+            return distributed._sync_ddp_if_available(tensor, group if group is not None else self.grid.group("dp"), reduce_op=reduce_op)
+
+        def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+            """Gather over the dp group by default: the result is ``[dp, ...]``, one entry per replica."""
+            return distributed._all_gather_ddp_if_available(tensor, group=group if group is not None else self.grid.group("dp"), sync_grads=sync_grads)
+
+        def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+            votes = distributed._sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+            return bool(votes == self.world_size) if all else bool(votes)
+
+        # ----- checkpoints -----
+
+        @property
+        def restore_checkpoint_after_setup(self) -> bool:
+            return True
+
+        @property
+        def lightning_restore_optimizer(self) -> bool:
+            return False
+
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            return ckpt.model_state(self.lightning_module, self.grid)
+
+        def optimizer_state(self, optimizer) -> dict[str, Any]:
+            return ckpt.optimizer_state(_unwrap(optimizer), ckpt.parameter_names(self.lightning_module), self.grid)
+
+        def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+            """A sharded checkpoint directory: DCP shards, ``layout.json``, ``rng/``, and ``meta.pt`` (loops, callbacks, ...)."""
+            if storage_options is not None:
+                raise TypeError("Tensor3DStrategy.save_checkpoint does not take storage_options: it writes with torch.distributed.checkpoint")
+            path = Path(self.broadcast(str(filepath)))
+            if self.is_global_zero and path.is_file():
+                path.unlink()
+            self.barrier()
+            tensors = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
+            groups = []
+            for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
+                tensors[ckpt.optimizer_key(i)] = {"state": state["state"]}
+                groups.append(state["param_groups"])
+            ckpt.save(path, tensors, self.grid, self.lightning_module)
+            if self.is_global_zero:
+                torch.save({**checkpoint, PARAM_GROUPS_KEY: groups}, path / META_FILE)
+
+        def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+            """Load a sharded checkpoint written on any grid and dp size; loop state comes back to Lightning."""
+            path = Path(self.broadcast(str(checkpoint_path)))
+            ckpt.read_layout(path)
+            meta = torch.load(path / META_FILE, weights_only=False)
+            module = self.lightning_module
+            ckpt.load_model_(module, self.grid, path, strict=module.strict_loading)
+            if module.trainer.state.fn == TrainerFn.FITTING:
+                groups = meta.get(PARAM_GROUPS_KEY, [])
+                names = ckpt.parameter_names(module)
+                for i, (optimizer, saved) in enumerate(zip(map(_unwrap, self.optimizers), groups)):
+                    ckpt.load_optimizer_(optimizer, i, names, self.grid, path, saved, self._holds_state(optimizer))
+                # RNG now: the fit loop draws (dataloader seeds) before on_train_start; sanity checks run isolated
+                ckpt.set_rng_state(ckpt.load_rng_state(path, self.grid))
+            return meta
+
+        def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+            """Done by :meth:`load_checkpoint`."""
+
+        def load_optimizer_state_dict(self, checkpoint) -> None:
+            """Done by :meth:`load_checkpoint`."""
+
+        # ----- failures -----
+
+        def on_exception(self, exception: BaseException) -> None:
+            """Say plainly when a collective failed: a peer died or stalled, and how to go on."""
+            text = str(exception)
+            if isinstance(exception, (RuntimeError, dist.DistBackendError)) and any(w in text.lower() for w in _COLLECTIVE_FAILURE):
+                px, py, pz = self._grid.shape if self._grid is not None else ("?", "?", "?")
+                exception.args = (
+                    f"tensor3d: a collective failed on rank {self.global_rank} of {self.world_size} "
+                    f"(grid {px}×{py}×{pz}, timeout {self._timeout.total_seconds():.0f} s): another rank died or stalled. "
+                    f"The run cannot go on; restart it with Trainer.fit(..., ckpt_path=<last checkpoint>). Cause: {text}",
+                ) + exception.args[1:]
+            super().on_exception(exception)
+
+        @classmethod
+        def register_strategies(cls, strategy_registry) -> None:
+            strategy_registry.register("tensor3d", cls, description="3-D tensor parallelism on a dp×px×py×pz grid (lightning_3d)", override=True)
+
+    Tensor3DStrategy.__module__, Tensor3DStrategy.__qualname__ = module_name, "Tensor3DStrategy"
+    Tensor3DStrategy.register_strategies(StrategyRegistry)
+    return Tensor3DStrategy
+
+
+def _unwrap(optimizer):
+    return getattr(optimizer, "_optimizer", optimizer)

@@ -1,0 +1,66 @@
+"""How :class:`Tensor3DStrategy` picks the grid: ``"auto"`` factoring and the checks of explicit values."""
+
+from __future__ import annotations
+
+import math
+
+
+def auto_shape(n: int) -> tuple[int, int, int]:
+    """The most even ``(px, py, pz)``, ``px ≥ py ≥ pz``, with ``px·py·pz = n``: 8→2×2×2, 4→2×2×1, 2→2×1×1, 12→3×2×2."""
+    if n < 1:
+        raise ValueError(f"cannot factor {n} ranks into a grid; need at least 1")
+    triples = [(a, b, n // (a * b)) for a in range(1, n + 1) if n % a == 0
+               for b in range(1, a + 1) if (n // a) % b == 0 and n // (a * b) <= b]
+    return min(triples)
+
+
+def check_grid_arg(grid) -> str | tuple[int, int, int]:
+    """``"auto"`` or three positive ints ``(px, py, pz)``; ``ValueError`` otherwise."""
+    if grid == "auto":
+        return grid
+    try:
+        shape = tuple(int(s) for s in grid)
+    except (TypeError, ValueError):
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1 or any(int(s) != s for s in grid):
+        raise ValueError(f"grid must be 'auto' or three positive ints (px, py, pz), e.g. (2, 2, 2); got {grid!r}")
+    return shape
+
+
+def check_dp_arg(dp) -> str | int:
+    """``"auto"`` or a positive int; ``ValueError`` otherwise."""
+    if dp == "auto":
+        return dp
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"data_parallel_size must be 'auto' or a positive int, got {dp!r}")
+    return dp
+
+
+def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices_per_node: int) -> tuple[tuple[int, int, int], int]:
+    """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
+
+    ``grid="auto"`` factors the devices of one node (or ``world / dp`` when dp is given);
+    ``data_parallel_size="auto"`` takes the rest of the world.
+
+    Raises:
+        ValueError: the numbers do not multiply to the world size; the message names the fix.
+    """
+    if grid == "auto":
+        if dp == "auto":
+            cube = math.gcd(devices_per_node, world)
+        elif world % dp:
+            raise ValueError(f"data_parallel_size={dp} does not divide the world size {world}; "
+                             f"pick a divisor of {world} or launch a multiple of {dp} processes")
+        else:
+            cube = world // dp
+        return auto_shape(cube), world // cube
+    cube = math.prod(grid)
+    if dp == "auto":
+        if world % cube:
+            raise ValueError(f"the world size {world} is not divisible by px·py·pz = {cube} of grid {grid}; "
+                             f"launch a multiple of {cube} processes or pick a grid whose product divides {world}")
+        return grid, world // cube
+    if dp * cube != world:
+        raise ValueError(f"world size {world} != data_parallel_size·px·py·pz = {dp}·{cube} = {dp * cube} (grid {grid}); "
+                         f"launch {dp * cube} processes or change grid / data_parallel_size")
+    return grid, dp

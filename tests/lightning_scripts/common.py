@@ -1,0 +1,154 @@
+"""What the Lightning driver scripts share: a tiny GPT3D LightningModule, its data, and the dense reference.
+
+Data: 24 sequences of 9 tokens following ``x → (a·x + c) mod 60`` (learnable), the global batch 8
+(3 steps an epoch), split over dp by Lightning's DistributedSampler (shuffle, seed ``SEED``). The
+dense reference trains ``DenseGPT`` from the same init on the same global batches with the same
+optimizer, schedule and clipping, so a correct strategy gives its losses and gradient norms.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_3d.grad_norm import grad_norm
+from lightning_3d.models import DenseGPT, GPT3D, GPTConfig
+
+SEED = 7
+INIT_SEED = 1234
+N_SEQ, SEQ, GLOBAL_BATCH = 24, 8, 8
+CLIP = 0.3
+LR = 1e-2
+
+
+def config(dropout: float = 0.0) -> GPTConfig:
+    return GPTConfig(vocab_size=60, block_size=SEQ, n_layer=1, n_head=2, n_embd=16, dropout=dropout)
+
+
+class Tokens(Dataset):
+    """``(index, tokens [SEQ+1])``; the index lets a test see which rank got which sample."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        start = torch.randint(0, 60, (N_SEQ,), generator=g)
+        mult = torch.randint(1, 8, (N_SEQ,), generator=g)
+        seqs = [start]
+        for _ in range(SEQ):
+            seqs.append((seqs[-1] * mult + 1) % 60)
+        self.data = torch.stack(seqs, 1)
+
+    def __len__(self):
+        return N_SEQ
+
+    def __getitem__(self, i):
+        return i, self.data[i]
+
+
+def optimizers(params):
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.2 * step))
+
+
+def module_class(namespace: str):
+    """``LitGPT`` for ``lightning.pytorch`` or ``pytorch_lightning``."""
+    pl = importlib.import_module(namespace)
+
+    class LitGPT(pl.LightningModule):
+        def __init__(self, dropout: float = 0.0):
+            super().__init__()
+            self.save_hyperparameters()
+            self.model = None
+            self.record = {"loss": [], "grad_norm": [], "batches": [], "seqs": [], "all_gather": None, "reduce_sum": None}
+
+        def configure_model(self):
+            if self.model is None:
+                torch.manual_seed(INIT_SEED)
+                self.model = GPT3D(config(self.hparams.dropout))
+
+        def train_dataloader(self):
+            return DataLoader(Tokens(), batch_size=GLOBAL_BATCH // self.grid.data_parallel_size)
+
+        def training_step(self, batch, batch_idx):
+            index, tokens = batch
+            loss = self.model(tokens[:, :-1], tokens[:, 1:])
+            self.record["batches"].append(index.tolist())
+            self.record["loss"].append(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean").item())
+            self.log("seqs", float(len(index)), reduce_fx="sum", sync_dist=True, on_step=True, on_epoch=False)
+            if self.record["all_gather"] is None:
+                self.record["all_gather"] = self.all_gather(torch.tensor([float(self.grid.coord("dp"))])).tolist()
+                self.record["reduce_sum"] = self.trainer.strategy.reduce(torch.tensor(1.0), reduce_op="sum").item()
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.record["seqs"].append(float(self.trainer.callback_metrics["seqs"]))
+
+        def on_before_optimizer_step(self, optimizer):
+            self.record["grad_norm"].append(grad_norm(self.parameters(), self.grid).item())
+
+        def configure_optimizers(self):
+            opt, sched = optimizers(self.parameters())
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return LitGPT
+
+
+def fit(namespace: str, out: Path, name: str, strategy, epochs: int, devices: int, dropout: float = 0.0, ckpt_path=None):
+    """One ``Trainer.fit`` with a checkpoint at every epoch end under ``out/name``; writes ``out/name.rank<r>.json``."""
+    pl = importlib.import_module(namespace)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs, gradient_clip_val=CLIP,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=out / name, filename="{epoch}", save_top_k=-1, every_n_epochs=1)],
+    )
+    module = module_class(namespace)(dropout)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    strategy = trainer.strategy
+    record = {**module.record, "grid": list(strategy.grid.shape), "dp": strategy.grid.data_parallel_size,
+              "coords": list(strategy.grid.coords), "strategy": f"{type(strategy).__module__}.{type(strategy).__name__}",
+              "global_step": trainer.global_step}
+    (out / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
+    return trainer, module
+
+
+def dense_reference(steps: int, dropout: float = 0.0) -> dict:
+    """Losses, pre-clip gradient norms and final state of DenseGPT on the same global batches."""
+    torch.manual_seed(INIT_SEED)
+    model = DenseGPT(config(dropout))
+    opt, sched = optimizers(model.parameters())
+    data = Tokens()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    losses, norms, epoch = [], [], 0
+    while len(losses) < steps:
+        sampler.set_epoch(epoch)
+        for _, tokens in DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler):
+            if len(losses) == steps:
+                break
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            losses.append(loss.item())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        epoch += 1
+    return {"loss": losses, "grad_norm": norms, "state": model.state_dict()}
+
+
+def read_records(out: Path, name: str) -> list[dict]:
+    """Every rank's record of run ``name``, by rank."""
+    files = sorted(out.glob(f"{name}.rank*.json"), key=lambda f: int(f.suffixes[0][5:]))
+    return [json.loads(f.read_text()) for f in files]
+
+
+def quiet() -> None:
+    """Keep the drivers' output short and CPU use to one thread per process."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")
