@@ -62,13 +62,13 @@ class FusedLinear3D(Module3D):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
         directions = (self.input_layout.row_axis, "x", self.input_layout.feature_axis)
-        y = matmul_abt(x, self.weight.flatten(0, 1), directions, self.grid, self.save_gathered)
+        px = self.grid.size("x")
+        bias = None
+        if self.bias is not None:  # in the product's column order [px, groups, out/(px·pr)], added inside the GEMM
+            bias = use_replicated(self.bias, self.grid).unflatten(-1, (px, -1)).transpose(0, 1).flatten()
+        y = matmul_abt(x, self.weight.flatten(0, 1), directions, self.grid, self.save_gathered, bias)
         # The x all-gather stacked the weight blocks as [px, groups, out/(px·pr)]: regroup per group.
-        y = y.unflatten(-1, (self.grid.size("x"), self.groups, -1)).movedim(-2, 0).flatten(-2)
-        if self.bias is not None:
-            bias = use_replicated(self.bias, self.grid).to(y.dtype)
-            y = y + bias.reshape((self.groups,) + (1,) * (y.dim() - 2) + (-1,))
-        return y
+        return y.unflatten(-1, (px, self.groups, -1)).movedim(-2, 0).flatten(-2)
 
     def extra_repr(self) -> str:
         return self._describe(in_features=self.in_features, out_features=self.out_features, groups=self.groups,
