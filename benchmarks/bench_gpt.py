@@ -15,8 +15,9 @@ step) for:
   (dp fills the rest; gradients all-reduced over dp inside the step), with the next weight's
   all-gather prefetched (:class:`~lightning_3d.ops.matmul.WeightPrefetch`); and, on the A/B grids,
   the variants ``before`` (the matmul and norm code of commit 4e34463, loaded from ``--before``),
-  ``no-prefetch``, ``regather`` (``save_gathered=False``) and ``split-qkv`` (three Linear3D for
-  q, k, v instead of the fused one).
+  ``no-prefetch``, ``regather`` (``save_gathered=False``), ``split-qkv`` (three Linear3D for
+  q, k, v instead of the fused one) and ``normal-priority`` (NCCL streams of normal priority;
+  every other case runs with ``TORCH_NCCL_HIGH_PRIORITY=1``).
 
 Reported per case: median forward, backward and step ms (CUDA events, max over ranks), TFLOP/s
 per GPU and MFU against the matmul rate measured in the same run, peak memory per GPU (max over
@@ -61,7 +62,10 @@ from lightning_3d.models.init import init_dense_tensor_  # noqa: E402
 from lightning_3d.ops.matmul import WeightPrefetch  # noqa: E402
 from lightning_3d.sharding import get_spec, shard_tensor  # noqa: E402
 
-VARIANTS = ("before", "no-prefetch", "regather", "split-qkv")
+VARIANTS = ("before", "no-prefetch", "regather", "split-qkv", "normal-priority")
+# High-priority NCCL streams let a collective start while a GEMM holds every SM (read by
+# ProcessGroupNCCL when a group's communicator is created, at its first collective).
+HIGH_PRIORITY = "TORCH_NCCL_HIGH_PRIORITY"
 CHECK_TOL = 1e-4
 
 
@@ -190,18 +194,38 @@ def _load_module(name: str, path: str):
 
 @contextlib.contextmanager
 def code_before(before_dir: str):
-    """Run with the matmul autograd function and the norm forward of ``before_dir`` (commit 4e34463)."""
+    """Run the 3-D products and norms with the code of ``before_dir`` (``ops/matmul.py`` and
+    ``layers/norm.py`` of commit 4e34463: no prefetch, dA reduce-scatter always first, bias added
+    after the product, the distributed normalize on every grid)."""
+    import lightning_3d.layers.linear as linear
     import lightning_3d.layers.norm as norm
-    import lightning_3d.ops.matmul as matmul
+    import lightning_3d.models.fused_linear as fused
 
     old_matmul = _load_module("lightning_3d.ops._matmul_before", os.path.join(before_dir, "matmul.py"))
     old_norm = _load_module("lightning_3d.layers._norm_before", os.path.join(before_dir, "norm.py"))
-    saved = matmul._Matmul3D, norm._Norm3D.forward
-    matmul._Matmul3D, norm._Norm3D.forward = old_matmul._Matmul3D, old_norm._Norm3D.forward
+
+    def matmul_abt(a, b, directions, grid, save_gathered, bias=None):
+        y = old_matmul.matmul_abt(a, b, directions, grid, save_gathered)
+        return y if bias is None else y + bias.to(y.dtype)
+
+    saved = linear.matmul_abt, fused.matmul_abt, norm._Norm3D.forward
+    linear.matmul_abt = fused.matmul_abt = matmul_abt
+    norm._Norm3D.forward = old_norm._Norm3D.forward
     try:
         yield
     finally:
-        matmul._Matmul3D, norm._Norm3D.forward = saved
+        linear.matmul_abt, fused.matmul_abt, norm._Norm3D.forward = saved
+
+
+@contextlib.contextmanager
+def nccl_priority(high: bool):
+    """NCCL streams of the process groups first used inside: high priority or normal."""
+    saved = os.environ.get(HIGH_PRIORITY)
+    os.environ[HIGH_PRIORITY] = "1" if high else "0"
+    try:
+        yield
+    finally:
+        os.environ[HIGH_PRIORITY] = saved if saved is not None else "0"
 
 
 class Run:
@@ -216,10 +240,12 @@ class Run:
         self._grids: dict = {}
         self._meshes: dict = {}
 
-    def grid(self, shape, dp):
-        if (shape, dp) not in self._grids:
-            self._grids[(shape, dp)] = lightning_3d.init_grid(shape, dp)
-        return self._grids[(shape, dp)]
+    def grid(self, shape, dp, high_priority: bool = True):
+        key = (shape, dp, high_priority)
+        if key not in self._grids:
+            self._grids[key] = lightning_3d.init_grid(shape, dp)
+        lightning_3d.set_grid(self._grids[key])
+        return self._grids[key]
 
     def mesh(self, tp, dp):
         from torch.distributed.device_mesh import init_device_mesh
@@ -265,7 +291,7 @@ def build(run: Run, case: Case, shape: Shape, states, x_full: torch.Tensor, dtyp
         x = x_full[replica].detach().clone().requires_grad_()
         dp_group = mesh.get_group("dp") if case.dp > 1 else None
         return Built(model, x, scale, dp_group, lambda y: y, replica, case.grid[0])
-    grid = run.grid(case.grid, case.dp)
+    grid = run.grid(case.grid, case.dp, case.variant != "normal-priority")
     save = case.variant != "regather"
     blocks = [Block3D(shape.config(), grid, save, device=dev, dtype=dtype) for _ in states]
     for block, sd in zip(blocks, states):
@@ -385,8 +411,8 @@ def no_tf32():
 def time_case(run: Run, case: Case, shape: Shape, states, x_full, ref_delta, profile_to: str | None) -> dict:
     args = run.args
     cuda = run.device.type == "cuda"
-    context = code_before(args.before) if case.variant == "before" else contextlib.nullcontext()
-    with context:
+    before = code_before(args.before) if case.variant == "before" else contextlib.nullcontext()
+    with before, nccl_priority(case.variant != "normal-priority"):
         if cuda:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -507,12 +533,13 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     cpu = args.cpu
+    os.environ[HIGH_PRIORITY] = "1"
     dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(seconds=300))
     run = Run(args)
     if not cpu:
         torch.cuda.set_device(run.device)
     world = run.world
-    default_ab = {1: "", 2: "2x1x1,1x2x1", 4: "2x2x1,1x2x2"}.get(world, "")
+    default_ab = {1: "1x1x1", 2: "2x1x1,1x2x1", 4: "2x2x1,1x2x2"}.get(world, "")
     args.ab_grids = default_ab if args.ab_grids is None else args.ab_grids
     if cpu:
         args.shapes = args.shapes or "h32,n4,s8,b8,L2"

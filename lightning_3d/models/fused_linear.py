@@ -26,7 +26,7 @@ from ..layers.linear import linear_weight_spec
 from ..layout import Layout, as_layout, check_local_activation
 from ..ops.matmul import matmul_abt
 from ..ops.replicated import use_replicated
-from ..sharding import ShardSpec
+from ..sharding import ShardSpec, get_spec
 
 
 class FusedLinear3D(Module3D):
@@ -58,6 +58,29 @@ class FusedLinear3D(Module3D):
         init_sharded_(self.weight, self.grid, lambda w: [nn.init.kaiming_uniform_(g, a=math.sqrt(5)) for g in w])
         if self.bias is not None:
             init_sharded_(self.bias, self.grid, lambda b: nn.init.uniform_(b, -bound, bound))
+
+    @property
+    def dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the dense twin ``nn.Linear(in, groups·out)``'s tensors."""
+        shapes = {"weight": (self.groups * self.out_features, self.in_features)}
+        if self.bias is not None:
+            shapes["bias"] = (self.groups * self.out_features,)
+        return shapes
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        """The dense twin's state dict: the global tensors flattened to ``[groups·out, ...]`` (collective)."""
+        return {k: t.reshape(self.dense_shapes[k]) for k, t in super().dense_state_dict().items()}
+
+    def load_dense_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load the dense twin's state dict (``[groups·out, ...]`` tensors)."""
+        viewed = {}
+        for key, t in state_dict.items():
+            if key in self.dense_shapes:
+                if tuple(t.shape) != self.dense_shapes[key]:
+                    raise ValueError(f"{key}: the dense state dict holds shape {list(t.shape)}, nn.Linear has {list(self.dense_shapes[key])}")
+                t = t.reshape(get_spec(getattr(self, key)).global_shape)
+            viewed[key] = t
+        super().load_dense_state_dict(viewed, strict)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")

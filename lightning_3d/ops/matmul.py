@@ -29,17 +29,19 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .. import comm
 from ..grid import Grid, resolve_grid
 
 
-def _mm(form: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Local product. ``a`` may carry leading dims; ``b`` is 2-D except in ``"atb"``."""
+def _mm(form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Local product (plus ``bias``, ``"abt"`` only, inside the GEMM). ``a`` may carry leading
+    dims; ``b`` is 2-D except in ``"atb"``."""
     if form == "ab":
         return torch.matmul(a, b)
     if form == "abt":
-        return torch.matmul(a, b.t())
+        return F.linear(a, b, bias)
     return torch.matmul(a.reshape(-1, a.shape[-1]).t(), b.reshape(-1, b.shape[-1]))
 
 
@@ -155,8 +157,8 @@ def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
 
 class _Matmul3D(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, plan: MatmulPlan) -> torch.Tensor:
-        ctx.plan, ctx.dtypes = plan, (a.dtype, b.dtype)
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, plan: MatmulPlan) -> torch.Tensor:
+        ctx.plan, ctx.dtypes = plan, (a.dtype, b.dtype, None if bias is None else bias.dtype)
         cast = _autocast_dtype(a)  # communicate in the dtype autocast would multiply in
         a = _cast(a, cast)
         a_full, wait_a = comm.all_gather_dim0(a, plan.group_a, async_op=True)
@@ -167,7 +169,9 @@ class _Matmul3D(torch.autograd.Function):
             b_full, wait_b = plan.prefetch.gather(b, plan.group_b, cast)
         wait_a.wait()
         wait_b.wait()
-        c, _ = comm.reduce_scatter_dim0(_mm(plan.form, a_full, b_full), plan.group_c)
+        # the reduce-scatter sums over C's group: the bias joins the partial product of one rank
+        bias = bias.to(a_full.dtype) if bias is not None and dist.get_rank(plan.group_c) == 0 else None
+        c, _ = comm.reduce_scatter_dim0(_mm(plan.form, a_full, b_full, bias), plan.group_c)
         ctx.save_for_backward(*((a_full, b_full) if plan.save_gathered else (a, _cast(b, cast))))
         return c
 
@@ -191,16 +195,17 @@ class _Matmul3D(torch.autograd.Function):
             waits[1 - k].wait()  # dA reads B, dB reads A
             grads[k], done = comm.reduce_scatter_dim0(_mm(form, operands[x], operands[y]), groups[k], async_op=True)
             scatters.append(done)
+        grad_bias = grad_c.sum(tuple(range(grad_c.dim() - 1))) if ctx.needs_input_grad[2] else None
         for done in scatters:
             done.wait()
-        return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)) + (None,)
+        return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads + [grad_bias], ctx.dtypes)) + (None,)
 
 
-def _matmul(form: str, a, b, directions, grid, save_gathered) -> torch.Tensor:
+def _matmul(form: str, a, b, directions, grid, save_gathered, bias=None) -> torch.Tensor:
     grid = resolve_grid(grid)
     ga, gb, gc = (grid.group(axis) for axis in directions)
     prefetch = _active_prefetch if _is_parameter(b) else None
-    return _Matmul3D.apply(a, b, MatmulPlan(form, ga, gb, gc, save_gathered, prefetch))
+    return _Matmul3D.apply(a, b, bias, MatmulPlan(form, ga, gb, gc, save_gathered, prefetch))
 
 
 def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_gathered: bool = True) -> torch.Tensor:
@@ -214,9 +219,15 @@ def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_g
     return _matmul("ab", a, b, directions, grid, save_gathered)
 
 
-def matmul_abt(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_gathered: bool = True) -> torch.Tensor:
-    """``C = A @ Bᵀ`` with ``b`` ``[k', n]`` (the layout of an ``nn.Linear`` weight); see :func:`matmul_ab`."""
-    return _matmul("abt", a, b, directions, grid, save_gathered)
+def matmul_abt(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_gathered: bool = True,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``C = A @ Bᵀ (+ bias)`` with ``b`` ``[k', n]`` (the layout of an ``nn.Linear`` weight); see :func:`matmul_ab`.
+
+    ``bias`` ``[k]`` (C's local last dim) is added inside the GEMM of one rank of C's group,
+    before the reduce-scatter, so it is counted once and costs no extra pass over C; its
+    gradient is the sum of ``dC`` over this rank's rows.
+    """
+    return _matmul("abt", a, b, directions, grid, save_gathered, bias)
 
 
 def matmul_atb(a, b, directions=("z", "y", "x"), grid: Grid | None = None, save_gathered: bool = True) -> torch.Tensor:
