@@ -1,0 +1,23 @@
+"""DeepSpeed with 3-D tensor parallelism inside each model replica and ZeRO across replicas.
+
+- :class:`GridMPU`: the grid as DeepSpeed's model-parallel unit (model parallel = the cube,
+  data parallel = dp).
+- :func:`initialize`: ``deepspeed.initialize`` reading ``"tensor3d": {"grid": [px, py, pz]}``.
+- :func:`init_grid_from_config`: the grid of a config, to build the model on before ``initialize``.
+- :func:`tag_grad_norm_params`: the parameter tags that make DeepSpeed's gradient norm exact.
+- :func:`to_dense` / ``python -m deepspeed_3d.checkpoint to-dense``: a checkpoint's dense state dict.
+- ``"tensor3d_deepspeed"``: the Lightning strategy (:mod:`deepspeed_3d.strategy`), registered on import.
+
+This is the only package of the project that imports DeepSpeed.
+"""
+
+from .checkpoint import to_dense
+from .config import check_batch_size, init_grid_from_config, load_config
+from .engine import initialize
+from .grad_norm_tags import tag_grad_norm_params
+from .mpu import GridMPU
+from .strategy import register_installed as _register_installed
+
+_register_installed()
+
+__all__ = ["GridMPU", "check_batch_size", "init_grid_from_config", "initialize", "load_config", "tag_grad_norm_params", "to_dense"]

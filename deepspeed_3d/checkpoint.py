@@ -1,0 +1,115 @@
+"""Dense export of a DeepSpeed checkpoint written by a :func:`deepspeed_3d.initialize` engine.
+
+DeepSpeed writes one set of files per model-parallel (cube) rank ``r``: ``mp_rank_{r:02d}_model_states.pt``
+(ZeRO-3: ``zero_pp_rank_{d}_mp_rank_{r:02d}_model_states.pt``) and, under ZeRO, one
+``*zero_pp_rank_{d}_mp_rank_{r:02d}_optim_states.pt`` per dp rank ``d``. Each cube rank's full-precision
+shards come from DeepSpeed's own ``zero_to_fp32`` reader (fp32 master weights) run on that rank's
+files alone, or from the module state without ZeRO; the layout the engine saved in the checkpoint
+(:mod:`deepspeed_3d.layout`) then places every shard in the global tensor.
+
+Command line: ``python -m deepspeed_3d.checkpoint to-dense CKPT_DIR OUT.pt [--tag TAG] [--prefix model.]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+from lightning_3d.checkpoint import _global_to_dense
+from lightning_3d.grid import Grid
+
+from .layout import LAYOUT_KEY, layout_specs
+
+
+def _tag_dir(checkpoint_dir: Path, tag: str | None) -> Path:
+    if tag is None:
+        latest = checkpoint_dir / "latest"
+        if not latest.is_file():
+            raise ValueError(f"{checkpoint_dir} has no 'latest' file; pass the checkpoint tag (a subdirectory name)")
+        tag = latest.read_text().strip()
+    path = checkpoint_dir / tag
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a directory: {checkpoint_dir} holds no checkpoint tagged {tag!r}")
+    return path
+
+
+def read_layout(tag_dir: Path) -> dict:
+    """The grid layout saved in a checkpoint (from cube rank 0's model-states file)."""
+    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+    if not files:
+        raise ValueError(f"{tag_dir} holds no DeepSpeed model-states file (*mp_rank_00_model_states.pt)")
+    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    if LAYOUT_KEY not in state:
+        raise ValueError(f"{files[0]} carries no {LAYOUT_KEY!r}: it was not saved by an engine of deepspeed_3d.initialize")
+    return state[LAYOUT_KEY]
+
+
+def rank_state_dict(tag_dir: Path, mp_rank: int) -> dict[str, torch.Tensor]:
+    """Cube rank ``mp_rank``'s local state dict, full precision (ZeRO's fp32 master weights when present)."""
+    files = sorted(tag_dir.glob(f"*mp_rank_{mp_rank:02d}_*.pt"))
+    if not any(f.name.endswith("_optim_states.pt") for f in files):
+        return torch.load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    with tempfile.TemporaryDirectory() as tmp:  # DeepSpeed's reader globs a directory: show it this rank's files only
+        view = Path(tmp) / tag_dir.name
+        view.mkdir()
+        for f in files:
+            (view / f.name).symlink_to(f.resolve())
+        return dict(get_fp32_state_dict_from_zero_checkpoint(tmp, tag_dir.name))
+
+
+def _offline_grid(layout: dict) -> Grid:
+    """A grid description without process groups: enough to place shards (sizes, coordinates)."""
+    return Grid(tuple(layout["grid"]), layout["data_parallel_size"], (0, 0, 0, 0), mesh=None, timeout=None, _groups={})
+
+
+def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The dense state dict of a DeepSpeed 3-D checkpoint, in one process (no process group needed).
+
+    Args:
+        checkpoint_dir: the directory given to ``engine.save_checkpoint``.
+        tag: the checkpoint tag; default: the one named in ``checkpoint_dir/latest``.
+        prefix: keep the keys that start with it and drop it (``"model."`` for a LightningModule
+            whose 3-D model is ``self.model``); ``""`` keeps every key.
+    """
+    tag_dir = _tag_dir(Path(checkpoint_dir), tag)
+    layout = read_layout(tag_dir)
+    grid = _offline_grid(layout)
+    specs, dense_shapes = layout_specs(layout), layout["dense_shapes"]
+    shards = [rank_state_dict(tag_dir, r) for r in range(grid.cube_size)]
+    out = {}
+    for key, value in shards[0].items():
+        if not key.startswith(prefix):
+            continue
+        spec = specs.get(key)
+        full = value
+        if spec is not None:
+            full = value.new_empty(spec.global_shape)
+            for r, shard in enumerate(shards):
+                full[spec.local_slices(grid, grid.cube_coords(r))] = shard[key]
+        out[key[len(prefix):]] = _global_to_dense(full, dense_shapes[key]) if key in dense_shapes else full
+    if not out:
+        raise ValueError(f"{tag_dir} holds no model tensors under the prefix {prefix!r}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m deepspeed_3d.checkpoint", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    dense = commands.add_parser("to-dense", help="write a DeepSpeed 3-D checkpoint's model as one dense state-dict file")
+    dense.add_argument("checkpoint", help="the directory given to engine.save_checkpoint")
+    dense.add_argument("output", help="output file (torch.save of the state dict)")
+    dense.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT/latest)")
+    dense.add_argument("--prefix", default="", help="keep only keys starting with this and drop it, e.g. 'model.'")
+    args = parser.parse_args(argv)
+    state = to_dense(args.checkpoint, args.tag, args.prefix)
+    torch.save(state, args.output)
+    numel = sum(t.numel() for t in state.values())
+    print(f"wrote {len(state)} tensors ({numel:,} values) to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The ``"tensor3d"`` section of a DeepSpeed config and the checks that tie the config to the grid.
+
+.. code-block:: json
+
+    {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+     "tensor3d": {"grid": [2, 2, 1]}}
+
+Every rank of one cube sees the same micro-batch, so DeepSpeed's batch arithmetic runs over the
+data-parallel size ``dp = world / (px·py·pz)``, not over the world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+import lightning_3d
+from lightning_3d.grid import Grid
+
+SECTION = "tensor3d"
+_SECTION_KEYS = {"grid"}
+
+
+def load_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """A private copy of a DeepSpeed config given as a dict or as the path of a JSON file."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        if not os.path.isfile(config):
+            raise ValueError(f"DeepSpeed config {os.fspath(config)!r} is not a file; pass a dict or the path of a JSON file")
+        with open(config) as f:
+            return json.load(f)
+    raise ValueError(f"config must be a dict or the path of a JSON file, got {type(config).__name__}")
+
+
+def grid_shape(config: dict[str, Any]) -> tuple[int, int, int] | None:
+    """``(px, py, pz)`` from the ``"tensor3d"`` section, or None when the config has none."""
+    section = config.get(SECTION)
+    if section is None:
+        return None
+    if not isinstance(section, dict) or set(section) - _SECTION_KEYS or "grid" not in section:
+        raise ValueError(f'the "{SECTION}" section must be {{"grid": [px, py, pz]}}, got {section!r}')
+    shape = section["grid"]
+    if not isinstance(shape, (list, tuple)) or len(shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in shape):
+        raise ValueError(f'"{SECTION}": {{"grid": ...}} must be three positive integers [px, py, pz], got {shape!r}')
+    return tuple(shape)
+
+
+def init_grid_from_config(config: dict[str, Any] | str | os.PathLike) -> Grid:
+    """The grid the config asks for: the current grid when one exists (it must agree), else a new one.
+
+    Needs an initialised default process group. Raises ``ValueError`` when the section disagrees
+    with the current grid, or when there is neither a section nor a current grid.
+    """
+    shape = grid_shape(load_config(config))
+    try:
+        current = lightning_3d.get_grid()
+    except RuntimeError:
+        current = None
+    if current is not None:
+        if shape is not None and tuple(current.shape) != shape:
+            px, py, pz = current.shape
+            raise ValueError(
+                f'the config asks for "{SECTION}": {{"grid": {list(shape)}}} but the current grid is {px}×{py}×{pz}; '
+                f'build the model on the grid of the config, or set "grid": {[px, py, pz]} (or drop the section)'
+            )
+        return current
+    if shape is None:
+        raise ValueError(
+            f'no grid: add "{SECTION}": {{"grid": [px, py, pz]}} to the DeepSpeed config '
+            f"or call lightning_3d.init_grid((px, py, pz)) before building the model"
+        )
+    return lightning_3d.init_grid(shape)
+
+
+def check_batch_size(config: dict[str, Any], grid: Grid) -> None:
+    """Raise ``ValueError`` unless ``train_batch_size = micro_batch × accumulation × dp`` can hold."""
+    dp = grid.data_parallel_size
+    total = config.get("train_batch_size")
+    micro = config.get("train_micro_batch_size_per_gpu")
+    accumulation = config.get("gradient_accumulation_steps")
+    px, py, pz = grid.shape
+    dp_note = f"dp = world {dp * grid.cube_size} / (px·py·pz = {px}·{py}·{pz}) = {dp}"
+    if total is None:
+        if micro is None:
+            raise ValueError("the DeepSpeed config needs train_batch_size or train_micro_batch_size_per_gpu")
+        return
+    per_step = (micro or 1) * (accumulation or 1) * dp
+    if micro is not None and accumulation is not None:
+        if total != per_step:
+            raise ValueError(
+                f"train_batch_size {total} != train_micro_batch_size_per_gpu {micro} × gradient_accumulation_steps "
+                f"{accumulation} × {dp_note} = {per_step}; set train_batch_size to {per_step} "
+                f"(the ranks of one cube share a micro-batch, so only dp multiplies it)"
+            )
+    elif total % per_step:
+        known = " × ".join(f"{k} {v}" for k, v in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accumulation)) if v is not None)
+        raise ValueError(
+            f"train_batch_size {total} is not a multiple of {known + ' × ' if known else ''}{dp_note}, "
+            f"so no whole number of micro-batches fills it; make train_batch_size a multiple of {per_step}"
+        )

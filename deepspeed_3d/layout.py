@@ -1,0 +1,45 @@
+"""The grid layout of a model's parameters, as plain data a checkpoint can carry.
+
+``{"grid": [px, py, pz], "data_parallel_size": dp, "params": {name: {"global_shape": [...],
+"dims": [[axes of dim 0], ...]}}}`` names, for every sharded parameter (under every name the
+module's state dict uses for it), the :class:`~lightning_3d.sharding.ShardSpec` that places it on
+the grid. Parameters without a spec are replicated over the cube and are not listed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_3d.checkpoint import dense_shapes
+from lightning_3d.grid import Grid
+from lightning_3d.sharding import ShardSpec, get_spec
+
+LAYOUT_KEY = "tensor3d_layout"
+
+
+def model_layout(module: nn.Module, grid: Grid) -> dict[str, Any]:
+    """The layout of ``module``'s sharded parameters on ``grid``."""
+    params = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        spec = get_spec(param)
+        if spec is not None:
+            params[name] = {"global_shape": list(spec.global_shape), "dims": [list(axes) for axes in spec.dims]}
+    return {"grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size, "params": params,
+            "dense_shapes": dense_shapes(module)}
+
+
+def layout_specs(layout: dict[str, Any]) -> dict[str, ShardSpec]:
+    """``{name: ShardSpec}`` of a layout."""
+    return {name: ShardSpec(tuple(p["global_shape"]), tuple(tuple(axes) for axes in p["dims"])) for name, p in layout["params"].items()}
+
+
+def check_same_grid(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Raise ``ValueError`` when a checkpoint's grid differs from the running one."""
+    if list(saved["grid"]) != list(current["grid"]):
+        raise ValueError(
+            f"the checkpoint was saved on a {'×'.join(map(str, saved['grid']))} grid but this run uses "
+            f"{'×'.join(map(str, current['grid']))}; DeepSpeed loads shards by model-parallel rank, so run on the saved "
+            f"grid, or convert the checkpoint to a dense state dict (python -m deepspeed_3d.checkpoint to-dense) and load that"
+        )

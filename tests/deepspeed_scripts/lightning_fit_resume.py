@@ -1,0 +1,113 @@
+"""``"tensor3d_deepspeed"`` under Lightning on CPU: fit 1 epoch of 2 steps, checkpoint, resume to 2 epochs.
+
+Launched by tests/test_deepspeed.py as ``python lightning_fit_resume.py TMPDIR``; Lightning starts
+the other 3 processes (grid 1×1×2, dp 2, ZeRO-2). Every rank compares its replica's losses with a
+plain-PyTorch dense model trained on the global batches; rank 0 prints ``RESULT ok``.
+"""
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the model of test_deepspeed
+
+import lightning.pytorch as L  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+
+import deepspeed_3d  # noqa: E402, F401  (registers "tensor3d_deepspeed")
+from test_deepspeed import CLIP, LR, WEIGHT_DECAY, B, N, S, dense_model, model_3d  # noqa: E402
+
+SHAPE, DP, STEPS, RESUME_AT = (1, 1, 2), 2, 4, 2
+TOL = 1e-5
+
+
+class Module(L.LightningModule):
+    def __init__(self, seed: int):
+        super().__init__()
+        self.seed, self.losses = seed, []
+
+    def configure_model(self):
+        self.model = model_3d(dense_model(self.seed), self.grid)
+
+    def training_step(self, batch, _):
+        x, target = batch
+        loss = F.mse_loss(self.model(x), target)
+        self.losses.append(float(loss))
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def dataset() -> TensorDataset:
+    """One epoch = RESUME_AT steps of dp micro-batches, so the checkpoint falls on an epoch boundary."""
+    g = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(RESUME_AT * DP * B, S, N, generator=g), torch.randn(RESUME_AT * DP * B, S, N, generator=g))
+
+
+def micro_batches(step: int) -> list[list[int]]:
+    """Sample indices of each replica at ``step``: Lightning's shuffled DistributedSampler (seed 0) over dp."""
+    samplers = [DistributedSampler(dataset(), num_replicas=DP, rank=r, shuffle=True, seed=0) for r in range(DP)]
+    for sampler in samplers:
+        sampler.set_epoch(step // RESUME_AT)
+    k = step % RESUME_AT
+    return [list(sampler)[k * B:(k + 1) * B] for sampler in samplers]
+
+
+def dense_replica_losses(dp_rank: int) -> list[float]:
+    """The dense model trained on the global batches; the loss of this replica's micro-batch at each step."""
+    x, target = dataset().tensors
+    dense = dense_model(seed=0)
+    opt = torch.optim.AdamW(dense.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for t in range(STEPS):
+        replicas = micro_batches(t)
+        rows = [i for micro in replicas for i in micro]
+        opt.zero_grad()
+        F.mse_loss(dense(x[rows]), target[rows]).backward()
+        mine = replicas[dp_rank]
+        losses.append(float(F.mse_loss(dense(x[mine]), target[mine])))
+        torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP)
+        opt.step()
+    return losses
+
+
+def trainer(epochs: int) -> L.Trainer:
+    config = {"zero_optimization": {"stage": 2}, "gradient_clipping": CLIP, "tensor3d": {"grid": list(SHAPE)}}
+    from deepspeed_3d.strategy.lightning import Tensor3DDeepSpeedStrategy
+
+    strategy = Tensor3DDeepSpeedStrategy(config=config, timeout=datetime.timedelta(seconds=120))
+    return L.Trainer(accelerator="cpu", devices=DP * 2, strategy=strategy, max_epochs=epochs, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def main(tmp: Path) -> None:
+    loader = DataLoader(dataset(), batch_size=B)
+    first = Module(seed=0)
+    t1 = trainer(1)
+    t1.fit(first, loader)
+    ckpt = tmp / "resume.ckpt"
+    t1.save_checkpoint(ckpt)
+    second = Module(seed=5)  # other weights: the checkpoint must overwrite them
+    t2 = trainer(STEPS // RESUME_AT)
+    t2.fit(second, loader, ckpt_path=ckpt)
+    grid = t2.strategy.grid
+    losses = first.losses + second.losses
+    expected = dense_replica_losses(grid.coord("dp"))
+    err = max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) if len(losses) == STEPS else float("inf")
+    rank = t2.global_rank
+    (tmp / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "expected": expected, "err": err}))
+    t2.strategy.barrier()
+    if rank == 0:
+        reports = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(t2.world_size)]
+        bad = [(r, rep) for r, rep in enumerate(reports) if not rep["err"] < TOL]
+        print("RESULT " + ("ok" if not bad else f"mismatch {bad}"))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
