@@ -6,9 +6,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import harness
-from checks import assert_close, on_grids, rel, seed_for
+from checks import GRIDS_8, assert_close, local, on_grids, rel, seed_for
 from lightning_3d.layout import gather_activation
-from lightning_3d.models import DenseGPT, GPT3D, GPTConfig, dense_state_dict_from_hf, gpt_config_from_hf
+from lightning_3d.models import DenseGPT, FusedLinear3D, GPT3D, GPTConfig, dense_state_dict_from_hf, gpt_config_from_hf
 from lightning_3d.sharding import get_spec, unshard_tensor
 
 # Tiny and distinct sizes: vocab 50 (padded to 64), width 16, 4 heads, MLP 64 (gpt2) / 24 (llama),
@@ -290,3 +290,31 @@ def roundtrip_job(grid, other_shape):
 
 def test_dense_state_dict_roundtrip_across_grids():
     assert_close(harness.run(8, on_grids, [(2, 2, 2)], roundtrip_job, (1, 2, 2)), tol=1e-15)
+
+
+def fused_linear_job(grid):
+    """FusedLinear3D equals nn.Linear(in, groups·out) chunked into groups, for both input layouts."""
+    errs = {}
+    n, k, groups = 8, 12, 3
+    for layout, out_layout in (("z", "y"), ("y", "z")):
+        torch.manual_seed(14)
+        dense = torch.nn.Linear(n, groups * k).to(F64)
+        mod = FusedLinear3D(n, k, groups, input_layout=layout, grid=grid, dtype=F64)
+        mod.load_dense_state_dict(dense.state_dict())
+        torch.manual_seed(seed_for(grid, 15))
+        x_full = torch.randn(B, 3, n, dtype=F64).requires_grad_()
+        y_ref = dense(x_full).unflatten(-1, (groups, k)).movedim(-2, 0)  # [groups, B, 3, k]
+        w = torch.randn_like(y_ref)
+        (y_ref * w).sum().backward()
+        x = local(x_full.detach(), layout, grid).clone().requires_grad_()
+        y = mod(x)
+        (y * torch.stack([local(wg, out_layout, grid) for wg in w])).sum().backward()
+        errs[f"{layout}_out"] = rel(y.detach(), torch.stack([local(yg, out_layout, grid) for yg in y_ref.detach()]))
+        errs[f"{layout}_dx"] = rel(x.grad, local(x_full.grad, layout, grid))
+        grads = grads_as_dense(mod)
+        errs.update({f"{layout}_d{name}": rel(grads[name], p.grad) for name, p in dense.named_parameters()})
+    return errs
+
+
+def test_fused_linear3d():
+    assert_close(harness.run(8, on_grids, GRIDS_8, fused_linear_job))
