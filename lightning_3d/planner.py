@@ -1,0 +1,360 @@
+"""Cost model: step time and memory per GPU of a GPT block stack on every 3-D grid and under 1-D
+tensor parallelism, from the model's shape and the machine's measured rates; picks the best grid.
+
+The model counts, per rank and per layer, the GEMM and attention FLOPs, the bytes of the
+memory-bound ops, and the bytes every collective moves (DESIGN §6), and prices them with the
+machine's measured matmul rate, memory bandwidth and per-group-size collective bandwidth and
+latency. It then charges only the communication the implementation cannot hide:
+
+- 3-D forward: the input all-gather and the output reduce-scatter of each product; the weight
+  all-gather is prefetched during the previous product (:class:`~lightning_3d.ops.matmul.WeightPrefetch`)
+  and costs only what that product does not cover (all of it for the first product of a step).
+- 3-D backward: the gradient all-gather; the larger of the two reduce-scatters hides behind the
+  other product, the smaller is exposed; the re-gathers when gathered operands are not saved.
+- 1-D (Megatron, DTensor Colwise/Rowwise): two all-reduces of the activations per block in
+  forward and two in backward, none hidden; LayerNorms and residuals run replicated on every rank.
+- Data parallelism: one all-reduce of the gradients after backward.
+
+Ranks are placed dp-major then x, y, z (z fastest), as :func:`~lightning_3d.grid.init_grid` does;
+a group whose ranks span several nodes runs at the inter-node bandwidth.
+
+``best_grid(...)`` is what ``grid="auto"`` calls once the model's shape is known.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+BYTES = 2  # bf16 activations, weights and gradients
+OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A collective's cost in one group: ``latency + moved_bytes / busbw`` (NCCL bus bandwidth)."""
+
+    busbw_GBps: float
+    latency_us: float
+
+    def seconds(self, moved_bytes: float) -> float:
+        return self.latency_us * 1e-6 + moved_bytes / (self.busbw_GBps * 1e9)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Measured rates of one kind of node, and the model's calibration.
+
+    Args:
+        matmul_tflops: bf16 GEMM rate of one GPU (8192³ product).
+        hbm_GBps: device copy bandwidth (bytes read + written).
+        intra: per collective op, ``{group size: Link}`` inside a node (NVLink).
+        inter: per collective op, the Link of a group that spans nodes (per-GPU network).
+        gpus_per_node: GPUs that share NVLink.
+        memory_GiB: memory per GPU, for :func:`fits`.
+        gemm_efficiency: fraction of ``matmul_tflops`` the model's GEMMs and attention reach.
+        passes_fwd, passes_bwd: memory-bound traffic per layer, in bytes per element of the
+            local ``[tokens, hidden]`` activation (norms, residuals, GELU, copies, loss).
+        replicated_passes: the part of that traffic 1-D TP runs on the whole activation on every
+            rank (LayerNorms, residual adds: not split by TP).
+        overhead_ms: fixed cost per layer and step (launches, small kernels, synchronisation).
+    """
+
+    matmul_tflops: float
+    hbm_GBps: float
+    intra: dict[str, dict[int, Link]]
+    inter: dict[str, Link]
+    gpus_per_node: int = 8
+    memory_GiB: float = 80.0
+    gemm_efficiency: float = 0.84
+    passes_fwd: float = 14.0
+    passes_bwd: float = 24.0
+    replicated_passes: float = 10.0
+    overhead_ms: float = 0.05
+
+    def link(self, op: str, size: int, spans_nodes: bool) -> Link:
+        """The Link of ``op`` in a group of ``size`` ranks (the nearest measured size inside a node)."""
+        if spans_nodes:
+            return self.inter[op]
+        table = self.intra[op]
+        if size in table:
+            return table[size]
+        return table[min(table, key=lambda g: (abs(math.log(g / size)), -g))]
+
+    @classmethod
+    def from_bench(cls, hardware: dict, **overrides) -> Machine:
+        """From the ``hardware`` block of ``benchmarks/bench_gpt.py``'s JSON (inter-node links: defaults)."""
+        intra = {op: dict(DEFAULT_MACHINE.intra[op]) for op in OPS}
+        for g, ops in hardware.get("collectives", {}).items():
+            for op, v in ops.items():
+                intra[op][int(g)] = Link(v["busbw_GBps"], v["latency_us"])
+        return replace(DEFAULT_MACHINE, matmul_tflops=hardware["matmul_tflops"], hbm_GBps=hardware["copy_GBps"], intra=intra, **overrides)
+
+
+# H200 SXM ×4 measured by benchmarks/bench_gpt.py (docs/benchmarks.md); 8 ranks: the 1 GiB all-reduce
+# seen on an 8×H100 host of this workplace (KINDS.md); inter-node: an assumed 400 Gb/s NIC per GPU
+# (≈45 GB/s bus bandwidth, 20 µs), not measured here.
+DEFAULT_MACHINE = Machine(
+    matmul_tflops=760.0,
+    hbm_GBps=4100.0,
+    intra={
+        "all_gather": {2: Link(244.0, 60.0), 4: Link(319.0, 73.0), 8: Link(360.0, 80.0)},
+        "reduce_scatter": {2: Link(246.0, 89.0), 4: Link(311.0, 74.0), 8: Link(360.0, 80.0)},
+        "all_reduce": {2: Link(305.0, 42.0), 4: Link(345.0, 56.0), 8: Link(361.0, 60.0)},
+    },
+    inter={op: Link(45.0, 20.0) for op in OPS},
+    memory_GiB=80.0,
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A stack of ``layers`` GPT blocks (GPT-2 style: LayerNorm, fused QKV, 4h GELU MLP) on
+    ``batch`` sequences of ``seq`` tokens: the global batch of one step."""
+
+    hidden: int
+    heads: int
+    seq: int
+    batch: int
+    layers: int
+    ffn: int | None = None
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.ffn if self.ffn is not None else 4 * self.hidden
+
+    @property
+    def flops(self) -> float:
+        """Forward + backward FLOPs of a step (3 × the forward's GEMMs and attention scores)."""
+        h, f, b, s = self.hidden, self.ffn_hidden, self.batch, self.seq
+        return 3 * self.layers * (2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h)
+
+
+@dataclass
+class Prediction:
+    """Predicted cost of one layout of the ranks (times in ms, memory in GiB per GPU)."""
+
+    method: str  # "3d" or "1d"
+    grid: tuple[int, int, int]  # (px, py, pz); (tp, 1, 1) for 1-D
+    dp: int
+    fwd_ms: float
+    bwd_ms: float
+    comm_ms: float  # every collective, hidden or not
+    exposed_comm_ms: float
+    memory_GiB: float
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def step_ms(self) -> float:
+        return self.fwd_ms + self.bwd_ms
+
+    @property
+    def label(self) -> str:
+        where = f"TP={self.grid[0]}" if self.method == "1d" else "×".join(map(str, self.grid))
+        return where + (f" dp{self.dp}" if self.dp > 1 else "")
+
+
+# ------------------------------------------------------------------ feasibility
+
+
+def grid_error(shape: ModelShape, grid: tuple[int, int, int], dp: int) -> str | None:
+    """Why ``shape`` cannot run on ``grid`` with ``dp`` replicas, or None."""
+    px, py, pz = grid
+    h, f = shape.hidden, shape.ffn_hidden
+    if shape.batch % dp:
+        return f"batch {shape.batch} % dp {dp}"
+    b = shape.batch // dp
+    checks = [(shape.heads, py, "heads % py"), (h, px * py, "hidden % px·py"), (h, px * pz, "hidden % px·pz"),
+              (f, px * py, "ffn % px·py"), (f, py, "ffn % py"), (b, px * py, "batch/dp % px·py"), (b, px * pz, "batch/dp % px·pz")]
+    for value, parts, what in checks:
+        if value % parts:
+            return what
+    return None
+
+
+def _spans_nodes(machine: Machine, stride: int, size: int) -> bool:
+    """Whether a group of ``size`` ranks ``stride`` apart crosses a node boundary."""
+    return size > 1 and stride * size > machine.gpus_per_node
+
+
+def _strides(grid: tuple[int, int, int]) -> dict[str, int]:
+    px, py, pz = grid
+    return {"x": py * pz, "y": pz, "z": 1, "dp": px * py * pz}
+
+
+# ------------------------------------------------------------------ 3-D
+
+
+def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machine: Machine = None,
+               save_gathered: bool = True) -> Prediction:
+    """Predicted step of ``shape`` on ``grid`` with ``dp`` replicas (weight prefetch on)."""
+    m = machine or DEFAULT_MACHINE
+    px, py, pz = grid
+    cube = px * py * pz
+    sizes = {"x": px, "y": py, "z": pz, "dp": dp}
+    strides = _strides(grid)
+    h, f, L = shape.hidden, shape.ffn_hidden, shape.layers
+    tokens = shape.batch * shape.seq / dp  # per replica
+
+    def coll(op: str, axis: str, full_elements: float) -> float:
+        """Seconds of ``op`` over ``axis`` whose gathered (or pre-scatter) tensor has ``full_elements``."""
+        g = sizes[axis]
+        if g == 1:
+            return 0.0
+        moved = full_elements * BYTES * (g - 1) / g * (2 if op == "all_reduce" else 1)
+        return m.link(op, g, _spans_nodes(m, strides[axis], g)).seconds(moved)
+
+    rate = m.matmul_tflops * 1e12 * m.gemm_efficiency
+    # the four products of a block: (input axis r, feature axis f, in N, out K)
+    products = [("y", "z", h, 3 * h), ("z", "y", h, h), ("y", "z", h, f), ("z", "y", f, h)]
+    fwd_exposed = bwd_exposed = comm = 0.0
+    mm_fwd = []
+    for r, fa, n, k in products:
+        a_full = tokens / px * n / sizes[fa]  # A gathered over r
+        w_full = k / sizes[r] * n / sizes[fa]  # W gathered over x
+        c_full = tokens / px * k / sizes[r]  # C before the reduce-scatter over f
+        t_mm = 2 * a_full * k / sizes[r] / rate
+        mm_fwd.append(t_mm)
+        ag_a, ag_w, rs_c = coll("all_gather", r, a_full), coll("all_gather", "x", w_full), coll("reduce_scatter", fa, c_full)
+        ag_dc, rs_da, rs_dw = coll("all_gather", fa, c_full), coll("reduce_scatter", r, a_full), coll("reduce_scatter", "x", w_full)
+        regather = 0.0 if save_gathered else max(ag_a, ag_w)
+        comm += ag_a + ag_w + rs_c + ag_dc + rs_da + rs_dw + (0.0 if save_gathered else ag_a + ag_w)
+        fwd_exposed += ag_a + max(0.0, ag_w - t_mm) + rs_c  # W prefetched during the previous product
+        big, small = max(rs_da, rs_dw), min(rs_da, rs_dw)
+        bwd_exposed += max(ag_dc, regather) + max(0.0, big - t_mm) + small
+    fwd_exposed = fwd_exposed * L + coll("all_gather", "x", products[0][3] / py * h / pz)  # first weight of the step
+    bwd_exposed *= L
+    # small all-reduces: replicated bias / norm gradients, distributed norm statistics
+    small = m.link("all_reduce", cube, _spans_nodes(m, 1, cube)).latency_us * 1e-6
+    replicated_grads = sum(1 for axes in (px * pz, px * pz, px * py, px * py) if axes > 1) + (4 if px * py > 1 else 0)
+    norm_stats = (6 if pz > 1 else 0)
+    bwd_exposed += L * replicated_grads * small
+    fwd_exposed += L * 4 * small if pz > 1 else 0.0
+    bwd_exposed += L * 2 * small if pz > 1 else 0.0
+    comm += L * (replicated_grads + norm_stats) * small
+
+    local = tokens * h / cube  # elements of a local [tokens, hidden] activation
+    ln_extra = 8.0 if pz > 1 else 0.0  # the distributed normalize's fp32 passes against the fused kernel
+    regroup = 3.0 if px > 1 else 0.0  # FusedLinear3D reorders q, k, v after the x gather
+    hbm = m.hbm_GBps * 1e9
+    t_mem_fwd = local * BYTES * (m.passes_fwd + ln_extra + regroup) / hbm
+    t_mem_bwd = local * BYTES * (m.passes_bwd + 1.5 * ln_extra + regroup) / hbm
+    attn = 4 * shape.batch / dp * shape.seq**2 * h / cube / rate
+    fwd = L * (sum(mm_fwd) + attn + t_mem_fwd) + fwd_exposed
+    bwd = L * (2 * (sum(mm_fwd) + attn) + t_mem_bwd) + bwd_exposed
+    overhead = L * m.overhead_ms * 1e-3
+    dp_sync = _dp_all_reduce(m, shape, cube, dp, strides["dp"])
+    bwd += dp_sync + overhead
+
+    params = L * 12 * h * h / cube if f == 4 * h else L * (4 * h * h + 2 * h * f) / cube
+    saved_w = L * (4 * h * h + 2 * h * f) / (py * pz) if save_gathered else 0.0
+    gathered = (lambda by: by) if save_gathered else (lambda by: 1)
+    act = L * (tokens * h / cube * (2 + 4 + f / h)  # norm inputs, q/k/v/attn out, GELU input
+               + tokens * h / cube * gathered(py) * 2  # qkv and fc1 inputs (gathered over y)
+               + tokens * h / cube * gathered(pz) * (1 + f / h))  # proj and fc2 inputs (gathered over z)
+    transient = tokens / px * max(3 * h / py, f / py) * 2 + tokens * h / cube * 6  # largest product and its dC; the loss in fp32
+    memory = (2 * params * BYTES + saved_w * BYTES + act * BYTES + transient * BYTES) / 2**30
+    return Prediction("3d", grid, dp, fwd * 1e3, bwd * 1e3, (comm * L + dp_sync) * 1e3, (fwd_exposed + bwd_exposed + dp_sync) * 1e3,
+                      memory, {"dp_sync_ms": dp_sync * 1e3})
+
+
+def _dp_all_reduce(m: Machine, shape: ModelShape, model_parallel: int, dp: int, stride: int) -> float:
+    if dp == 1:
+        return 0.0
+    h, f = shape.hidden, shape.ffn_hidden
+    grads = shape.layers * (4 * h * h + 2 * h * f) / model_parallel
+    link = m.link("all_reduce", dp, _spans_nodes(m, stride, dp))
+    return link.seconds(grads * BYTES * 2 * (dp - 1) / dp)
+
+
+# ------------------------------------------------------------------ 1-D
+
+
+def predict_1d(shape: ModelShape, tp: int, dp: int = 1, machine: Machine = None) -> Prediction:
+    """Predicted step of ``shape`` under Megatron 1-D TP over ``tp`` ranks with ``dp`` replicas."""
+    m = machine or DEFAULT_MACHINE
+    h, f, L = shape.hidden, shape.ffn_hidden, shape.layers
+    tokens = shape.batch * shape.seq / dp
+    rate = m.matmul_tflops * 1e12 * m.gemm_efficiency
+    mm = 2 * tokens * (4 * h * h + 2 * h * f) / tp / rate
+    attn = 4 * shape.batch / dp * shape.seq**2 * h / tp / rate
+    full = tokens * h
+    hbm = m.hbm_GBps * 1e9
+    rep, rest = m.replicated_passes, (m.passes_fwd - m.replicated_passes)
+    t_mem_fwd = full * BYTES * (rep + (rest / tp if tp > 1 else rest)) / hbm
+    t_mem_bwd = full * BYTES * (1.5 * rep + (m.passes_bwd - 1.5 * rep) / tp) / hbm
+    ar = 0.0
+    if tp > 1:
+        ar = m.link("all_reduce", tp, _spans_nodes(m, 1, tp)).seconds(full * BYTES * 2 * (tp - 1) / tp)
+    dp_sync = _dp_all_reduce(m, shape, tp, dp, tp)
+    fwd = L * (mm + attn + t_mem_fwd + 2 * ar)
+    bwd = L * (2 * (mm + attn) + t_mem_bwd + 2 * ar + m.overhead_ms * 1e-3) + dp_sync
+    params = L * (4 * h * h + 2 * h * f) / tp
+    act = L * (full * 4 + full / tp * (4 + 1 + 2 * f / h))  # replicated: norm inputs and outputs
+    transient = full * 6 + tokens * f / tp * 2
+    memory = (2 * params + act + transient) * BYTES / 2**30
+    comm = L * 4 * ar + dp_sync
+    return Prediction("1d", (tp, 1, 1), dp, fwd * 1e3, bwd * 1e3, comm * 1e3, comm * 1e3, memory, {"dp_sync_ms": dp_sync * 1e3})
+
+
+# ------------------------------------------------------------------ choice
+
+
+def cube_grids(n: int) -> list[tuple[int, int, int]]:
+    """Every ``(px, py, pz)`` with ``px·py·pz == n``."""
+    return [(px, py, n // (px * py)) for px in range(1, n + 1) if n % px == 0
+            for py in range(1, n // px + 1) if (n // px) % py == 0]
+
+
+def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1d: bool = True) -> list[Prediction]:
+    """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest) and, with
+    ``include_1d``, every 1-D TP size up to a node with dp, sorted by predicted step time."""
+    m = machine or DEFAULT_MACHINE
+    out = []
+    for cube in (c for c in range(1, world + 1) if world % c == 0):
+        for grid in cube_grids(cube):
+            if grid_error(shape, grid, world // cube) is None:
+                out.append(predict_3d(shape, grid, world // cube, m))
+    if include_1d:
+        for tp in (t for t in range(1, min(world, m.gpus_per_node) + 1) if world % t == 0):
+            if shape.heads % tp == 0 and shape.batch % (world // tp) == 0:
+                out.append(predict_1d(shape, tp, world // tp, m))
+    return sorted(out, key=lambda p: p.step_ms)
+
+
+def fits(p: Prediction, machine: Machine = None) -> bool:
+    return p.memory_GiB <= (machine or DEFAULT_MACHINE).memory_GiB
+
+
+def best_grid(hidden: int, heads: int, seq: int, batch: int, layers: int, world: int,
+              machine: Machine = None, ffn: int | None = None) -> tuple[int, int, int]:
+    """The ``(px, py, pz)`` with the lowest predicted step time that fits in memory (dp = world /
+    px·py·pz); the model is the global-batch GPT stack of ``hidden``, ``heads``, ``seq``, ``batch``
+    and ``layers``. This is what ``grid="auto"`` uses when the model's shape is known.
+
+    Raises:
+        ValueError: no grid divides the shape, or none fits in memory.
+    """
+    m = machine or DEFAULT_MACHINE
+    shape = ModelShape(hidden, heads, seq, batch, layers, ffn)
+    options = candidates(shape, world, m, include_1d=False)
+    if not options:
+        raise ValueError(f"no px·py·pz grid with dp filling {world} ranks divides hidden={hidden}, heads={heads}, batch={batch}; "
+                         f"use a batch that is a multiple of {world} and heads/hidden divisible by the grid")
+    fitting = [p for p in options if fits(p, m)]
+    if not fitting:
+        least = min(options, key=lambda p: p.memory_GiB)
+        raise ValueError(f"no grid fits {m.memory_GiB:.0f} GiB per GPU: the least, {least.label}, needs {least.memory_GiB:.1f} GiB; "
+                         f"use more GPUs, a smaller batch or activation checkpointing")
+    return fitting[0].grid
+
+
+def scaling_candidates(world: int) -> list[tuple[tuple[int, int, int], int]]:
+    """``(grid, dp)`` pairs of powers of two with ``px·py·pz·dp == world``."""
+    k = int(math.log2(world))
+    out = []
+    for a, b, c in itertools.product(range(k + 1), repeat=3):
+        if a + b + c <= k:
+            out.append(((2**a, 2**b, 2**c), 2 ** (k - a - b - c)))
+    return out
