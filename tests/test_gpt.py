@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import harness
 from checks import GRIDS_8, assert_close, local, on_grids, rel, seed_for
