@@ -25,7 +25,7 @@ from lightning_3d.sharding import get_spec, shard_tensor
 
 B, S, N, K = 4, 3, 8, 12  # micro-batch, sequence, features, hidden
 STEPS, SAVE_AFTER = 5, 3
-LR, WEIGHT_DECAY, CLIP = 1e-2, 0.01, 0.5
+LR, WEIGHT_DECAY, CLIP = 1e-2, 0.01, 0.1
 TOL = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -178,7 +178,7 @@ def training_job(shape, stages, ckpt_root):
         dist.all_reduce(loss_t, group=grid.group("dp"))
         res["loss"] = max(abs(a - b) / abs(b) for a, b in zip((loss_t / dp).tolist(), ref_losses))
         res["norm"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
-        res["clipped"] = min(ref_norms) > CLIP
+        res["clipped"] = min(ref_norms)
         # a fresh engine from other weights, loaded from the checkpoint, takes the same next step
         fresh, *_ = deepspeed_3d.initialize(model=model_3d(dense_model(seed=99), grid), config=ds_config(shape, stage, dp))
         fresh.load_checkpoint(ckpt)
@@ -225,7 +225,7 @@ def _check_training(results, stages):
             r = per_stage[stage]
             where = f"rank {rank}, ZeRO-{stage}"
             assert all(e < TOL for e in r["broadcast"].values()), f"{where}: a shard changed at start-up: {r['broadcast']}"
-            assert r["clipped"], f"{where}: the test must clip (dense norms all above {CLIP})"
+            assert r["clipped"] > CLIP, f"{where}: the test must clip at every step, but a dense norm is {r['clipped']:.3f} <= {CLIP}"
             assert r["loss"] < TOL, f"{where}: losses differ from the dense reference by {r['loss']:.2e}"
             assert r["norm"] < TOL, f"{where}: DeepSpeed's grad norm differs from the dense model's by {r['norm']:.2e}"
             assert r["resume_bitwise"], f"{where}: the step after load_checkpoint differs from the step after save"

@@ -1,0 +1,83 @@
+"""Train the byte-level GPT3D of ``train_gpt.py`` with DeepSpeed: ZeRO over dp, 3-D inside each replica.
+
+Same model, data, optimizer, schedule and checkpoints-per-epoch as ``examples/train_gpt.py`` (its
+``ByteGPT`` and ``StdlibText`` are imported from there); the strategy is ``"tensor3d_deepspeed"``
+with the DeepSpeed config ``examples/ds_config.json`` (ZeRO-1, gradient clipping 1.0, grid 2×2×1:
+8 CPU processes give dp 2). Checkpoints are DeepSpeed directories; convert one to a dense state
+dict with ``python -m deepspeed_3d.checkpoint to-dense``.
+
+    python examples/train_gpt_deepspeed.py                    # CPU: 8 processes (gloo)
+    python examples/train_gpt_deepspeed.py --resume --max-steps 300
+    python -m deepspeed_3d.checkpoint to-dense OUT/checkpoints/<ckpt> dense.pt --prefix model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import warnings
+from pathlib import Path
+
+import torch
+from train_gpt import ByteGPT, StdlibText, TokensPerSecond, newest_checkpoint, pl
+
+import deepspeed_3d  # noqa: F401  (registers "tensor3d_deepspeed")
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args() -> argparse.Namespace:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=str(HERE / "ds_config.json"), help="DeepSpeed config with a \"tensor3d\" section")
+    p.add_argument("--grid", default=None, help="px,py,pz: overrides the config's tensor3d grid")
+    p.add_argument("--out", default="runs/train_gpt_deepspeed", help="logs and checkpoints go here")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints")
+    p.add_argument("--devices", type=int, default=torch.cuda.device_count() if gpu else 8, help="processes (GPUs, or CPU processes)")
+    p.add_argument("--precision", default="bf16-mixed" if gpu else "32-true", help="mixed precision needs ZeRO >= 1 (the config has 1)")
+    p.add_argument("--max-steps", type=int, default=2000 if gpu else 240)
+    p.add_argument("--steps-per-epoch", type=int, default=200 if gpu else 40, help="a checkpoint and a validation after each")
+    p.add_argument("--batch-size", type=int, default=64 if gpu else 16, help="global: sequences a step over all replicas")
+    p.add_argument("--seq-len", type=int, default=256 if gpu else 64)
+    p.add_argument("--n-layer", type=int, default=8 if gpu else 2)
+    p.add_argument("--n-head", type=int, default=8 if gpu else 4)
+    p.add_argument("--n-embd", type=int, default=512 if gpu else 64)
+    p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--lr", type=float, default=1e-3 if gpu else 3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--max-bytes", type=int, default=12_000_000 if gpu else 4_000_000, help="how much of the standard library to read")
+    p.add_argument("--val-windows", type=int, default=64)
+    p.add_argument("--seed", type=int, default=1337)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # Lightning 2.6 on torch >= 2.10
+    pl.seed_everything(args.seed)
+    out = Path(args.out)
+    config = json.loads(Path(args.config).read_text())
+    grid = tuple(int(s) for s in args.grid.split(",")) if args.grid else None
+    if grid is not None:
+        config.pop("tensor3d", None)
+    strategy = pl.strategies.StrategyRegistry.get("tensor3d_deepspeed", config=config, grid=grid)
+    trainer = pl.Trainer(
+        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices, strategy=strategy,
+        precision=args.precision, max_steps=args.max_steps, limit_train_batches=args.steps_per_epoch,
+        max_epochs=math.ceil(args.max_steps / args.steps_per_epoch), num_sanity_val_steps=-1, log_every_n_steps=5,
+        logger=pl.loggers.CSVLogger(out, name="logs"),
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
+                   TokensPerSecond(args.batch_size * args.seq_len)],
+    )
+    model = ByteGPT(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.dropout, args.lr, args.warmup, args.max_steps)
+    data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
+    trainer.fit(model, datamodule=data, ckpt_path=newest_checkpoint(out / "checkpoints") if args.resume else None)
+    if trainer.is_global_zero:
+        start = "untrained {:.3f}".format(model.untrained_val_loss) if model.untrained_val_loss is not None else "start"
+        print(f"\nvalidation loss: {start} -> " + " -> ".join(f"{v:.3f}" for v in model.val_losses))
+        print(f"checkpoint: {trainer.checkpoint_callback.best_model_path or newest_checkpoint(out / 'checkpoints')}")
+
+
+if __name__ == "__main__":
+    main()
