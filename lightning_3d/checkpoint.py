@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import random
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -281,7 +282,9 @@ def to_dense(path: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
             if fqn.startswith(head + prefix) and isinstance(md, TensorStorageMetadata)}
     if not full:
         raise ValueError(f"{path} holds no model tensors under the prefix {prefix!r}")
-    dcp.load({MODEL_KEY: full}, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({MODEL_KEY: full}, storage_reader=reader, no_dist=True)
     return {k[len(prefix):]: _global_to_dense(t, shapes[k]) if k in shapes else t for k, t in full.items()}
 
 

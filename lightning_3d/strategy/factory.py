@@ -222,15 +222,19 @@ def define_strategy(namespace: str, module_name: str) -> type:
 
         # ----- collectives over dp -----
 
+        def _replicas(self, group):
+            """The dp group in place of the default (None or the world, which LightningModule.all_gather passes)."""
+            return self.grid.group("dp") if group is None or group is dist.group.WORLD else group
+
         def reduce(self, tensor, group: Any | None = None, reduce_op="mean"):
             """Reduce over the dp group by default: a value logged on a cube rank stands for its whole replica."""
             if not isinstance(tensor, torch.Tensor):
                 return tensor
-            return distributed._sync_ddp_if_available(tensor, group if group is not None else self.grid.group("dp"), reduce_op=reduce_op)
+            return distributed._sync_ddp_if_available(tensor, self._replicas(group), reduce_op=reduce_op)
 
         def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
             """Gather over the dp group by default: the result is ``[dp, ...]``, one entry per replica."""
-            return distributed._all_gather_ddp_if_available(tensor, group=group if group is not None else self.grid.group("dp"), sync_grads=sync_grads)
+            return distributed._all_gather_ddp_if_available(tensor, group=self._replicas(group), sync_grads=sync_grads)
 
         def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
             votes = distributed._sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")

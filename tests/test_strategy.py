@@ -1,0 +1,222 @@
+"""Trainer(strategy="tensor3d") in real multi-process ``Trainer.fit`` runs (gloo, CPU), judged against DenseGPT.
+
+Lightning's launcher re-executes ``sys.argv``, so the runs live in driver scripts
+(``lightning_scripts/``). ``suite.py`` worlds are started here, one process per rank with
+``RANK``/``WORLD_SIZE``/... set, so each world serves several Trainers (see its docstring for
+the runs A–G); the kill test lets Lightning launch its own processes. Every run trains the same
+tiny GPT3D on the same global batches as ``common.dense_reference``.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
+
+import common  # noqa: E402
+from lightning_3d import checkpoint as ckpt  # noqa: E402
+from lightning_3d.models import DenseGPT  # noqa: E402
+from lightning_3d.strategy import grid_rules  # noqa: E402
+
+SCRIPTS = Path(__file__).parent / "lightning_scripts"
+ROOT = Path(__file__).parent.parent
+TOL = 1e-5
+
+
+def _env(**extra) -> dict:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
+
+
+def launch(world: int, out: Path, *args: str, timeout: float = 240, tries: int = 3) -> None:
+    """Run ``suite.py *args`` on ``world`` ranks; fail with every rank's log tail on an error or a hang.
+
+    A rendezvous port taken between choosing and binding it (other jobs on the machine) is retried.
+    """
+    for _ in range(tries - 1):
+        try:
+            return _launch_once(world, out, args, timeout)
+        except AssertionError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+    return _launch_once(world, out, args, timeout)
+
+
+def _launch_once(world: int, out: Path, args: tuple, timeout: float) -> None:
+    port = str(_free_port())
+    procs, logs = [], []
+    for rank in range(world):
+        logs.append(out / f"{args[0]}.log{rank}")
+        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world), RANK=str(rank),
+                   LOCAL_RANK=str(rank), NODE_RANK="0")
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "suite.py"), *args], env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.5)
+    hung = [r for r, p in enumerate(procs) if p.poll() is None]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        report = "\n".join(f"--- rank {r} ---\n{_tail(logs[r])}" for r in failed)
+        raise AssertionError(f"suite.py {args[0]}: ranks {failed} failed" + (f" (hung past {timeout:.0f}s: {hung})" if hung else "") + f"\n{report}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Worlds of 8, 1 (resuming the 8-world's run B) and 4 processes; their records under one folder."""
+    out = tmp_path_factory.mktemp("tensor3d")
+    launch(8, out, "world8", str(out))
+    launch(1, out, "world1", str(out), str(out / "B" / "epoch=1.ckpt"))
+    launch(4, out, "world4", str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dense() -> dict:
+    return common.dense_reference(9)
+
+
+def records(out: Path, name: str) -> list[dict]:
+    recs = common.read_records(out, name)
+    assert recs, f"run {name} wrote no records"
+    return recs
+
+
+def assert_close(got: list, want: list, what: str, tol: float = TOL) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} values, expected {len(want)}"
+    err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}\n got  {got}\n want {want}"
+
+
+# ----- without processes -----
+
+
+@pytest.mark.parametrize("n, shape", [(1, (1, 1, 1)), (2, (2, 1, 1)), (4, (2, 2, 1)), (8, (2, 2, 2)), (12, (3, 2, 2)), (6, (3, 2, 1))])
+def test_auto_grid_factors_evenly(n, shape):
+    assert grid_rules.auto_shape(n) == shape
+    assert grid_rules.resolve("auto", "auto", n, n) == (shape, 1)
+
+
+def test_grid_rules_and_errors():
+    assert grid_rules.resolve("auto", "auto", 16, 8) == ((2, 2, 2), 2)  # two nodes of 8: dp across nodes
+    assert grid_rules.resolve("auto", 2, 8, 8) == ((2, 2, 1), 2)
+    assert grid_rules.resolve((2, 1, 1), "auto", 8, 8) == ((2, 1, 1), 4)
+    with pytest.raises(ValueError, match=r"world size 8 is not divisible by px·py·pz = 3"):
+        grid_rules.resolve((3, 1, 1), "auto", 8, 8)
+    with pytest.raises(ValueError, match=r"world size 8 != data_parallel_size·px·py·pz = 2·8 = 16"):
+        grid_rules.resolve((2, 2, 2), 2, 8, 8)
+    with pytest.raises(ValueError, match=r"data_parallel_size=3 does not divide the world size 8"):
+        grid_rules.resolve("auto", 3, 8, 8)
+    from lightning_3d import Tensor3DStrategy
+
+    for bad in [dict(grid=(2, 2)), dict(grid=(2, 0, 1)), dict(grid="2x2x2"), dict(data_parallel_size=0),
+                dict(zero_stage=2), dict(timeout=-1)]:
+        with pytest.raises(ValueError):
+            Tensor3DStrategy(**bad)
+
+
+# ----- the worlds -----
+
+
+def test_selected_by_name_in_both_namespaces(runs):
+    a, e = records(runs, "A")[0], records(runs, "E")[0]
+    assert a["strategy"] == "lightning_3d.strategy.lightning.Tensor3DStrategy" and a["grid"] == [2, 2, 2] and a["dp"] == 1
+    assert e["strategy"] == "lightning_3d.strategy.pytorch_lightning.Tensor3DStrategy" and e["grid"] == [1, 1, 1]
+    cli = json.loads((runs / "cli.json").read_text())
+    assert cli["by_name"] == cli["by_path"] == "Tensor3DStrategy" and cli["by_name_base"] == "pytorch_lightning.strategies.ddp"
+    assert cli["by_path_args"] == [[1, 1, 1], 1, 45.0]
+
+
+def test_cube_ranks_share_a_batch_and_dp_ranks_split_it(runs):
+    a = records(runs, "A")
+    assert all(r["batches"] == a[0]["batches"] for r in a), "2×2×2, dp 1: every rank must see the same batches"
+    b = records(runs, "B")  # 2×2×1, dp 2 over epoch 1 (A's steps 4-6)
+    by_dp = {}
+    for r in b:
+        by_dp.setdefault(r["coords"][0], []).append(r["batches"])
+    assert sorted(by_dp) == [0, 1] and all(len(v) == 4 for v in by_dp.values())
+    assert all(all(x == v[0] for x in v) for v in by_dp.values()), "ranks of one cube saw different batches"
+    for step, (b0, b1) in enumerate(zip(by_dp[0][0], by_dp[1][0])):
+        assert len(b0) == len(b1) == 4 and not set(b0) & set(b1), f"step {step}: dp replicas overlap: {b0} {b1}"
+        assert sorted(b0 + b1) == sorted(a[0]["batches"][3 + step]), "the dp replicas must split the global batch"
+
+
+def test_fit_equals_dense_twin(runs, dense):
+    for name, what in [("A", "2×2×2"), ("F", "2×1×1 dp 2")]:
+        rec = records(runs, name)[0]
+        assert_close(rec["loss"], dense["loss"][:6], f"{what} losses")
+        assert_close(rec["grad_norm"], dense["grad_norm"][:6], f"{what} gradient norms")
+    assert max(dense["grad_norm"][:6]) > common.CLIP, "clipping never acted: this test could not fail on it"
+
+
+def test_zero1_equals_plain_data_parallel(runs):
+    f, g = records(runs, "F")[0], records(runs, "G")[0]
+    assert_close(g["loss"], f["loss"], "ZeRO-1 vs plain dp losses", 1e-7)
+    assert_close(g["grad_norm"], f["grad_norm"], "ZeRO-1 vs plain dp gradient norms", 1e-7)
+
+
+def test_resume_continues_exactly(runs):
+    c, d = records(runs, "C")[0], records(runs, "D")[0]  # with dropout: RNG state must come back too
+    assert d["global_step"] == 6 and d["loss"] == c["loss"][3:], f"resumed {d['loss']} != uninterrupted {c['loss'][3:]}"
+
+
+def test_reshard_on_load_across_grids(runs, dense):
+    b, e = records(runs, "B")[0], records(runs, "E")[0]
+    assert b["grid"] == [2, 2, 1] and b["dp"] == 2
+    assert_close(b["loss"], dense["loss"][3:6], "2×2×2 → 2×2×1 dp 2 (ZeRO-1) losses")
+    assert_close(e["loss"], dense["loss"][6:9], "2×2×1 dp 2 → 1×1×1 losses")
+
+
+def test_sync_dist_and_collectives_count_each_replica_once(runs):
+    for name in ("A", "B", "F"):
+        for r in records(runs, name):
+            dp = r["dp"]
+            assert r["seqs"] == [common.GLOBAL_BATCH] * len(r["seqs"]), f"{name}: sum-logged batch sizes {r['seqs']}"
+            assert r["reduce_sum"] == dp and r["all_gather"] == [[float(d)] for d in range(dp)], (name, r)
+
+
+def test_dense_export_loads_into_densegpt(runs, dense, tmp_path):
+    out = tmp_path / "dense.pt"
+    ckpt.main(["to-dense", str(runs / "B" / "epoch=1.ckpt"), str(out), "--prefix", "model."])
+    model = DenseGPT(common.config())
+    model.load_state_dict(torch.load(out), strict=True)
+    reference = common.dense_reference(6)["state"]
+    err = max(float((p - reference[k]).abs().max()) for k, p in model.state_dict().items())
+    assert err < 1e-5, f"dense export differs from DenseGPT trained 6 steps by {err:.2e}"
+
+
+def test_a_dead_rank_fails_fast_and_resuming_loses_nothing(tmp_path, dense):
+    kill = [sys.executable, str(SCRIPTS / "kill_resume.py"), str(tmp_path)]
+    start = time.monotonic()
+    run = subprocess.run(kill + ["kill"], env=_env(), capture_output=True, text=True, timeout=180)
+    took = time.monotonic() - start
+    log = run.stdout + run.stderr
+    assert run.returncode != 0, "the run survived the loss of a rank"
+    assert "tensor3d: a collective failed" in log and "ckpt_path" in log, log[-3000:]
+    assert took < 120, f"the failure took {took:.0f}s"
+    resumed = subprocess.run(kill + ["resume"], env=_env(), capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    rec = records(tmp_path, "resumed")[0]
+    assert rec["global_step"] == 9
+    assert_close(rec["loss"], dense["loss"][3:9], "losses after resuming from the last checkpoint")
