@@ -22,7 +22,7 @@ def predict(case: dict, shape: planner.ModelShape, machine: planner.Machine) -> 
     if case["kind"] == "dense":
         return planner.predict_1d(shape, 1, 1, machine)
     if case["kind"] == "tp1d":
-        return planner.predict_1d(shape, case["grid"][0], case["dp"], machine)
+        return planner.predict_1d(shape, case["grid"][0], case["dp"], machine, anchor=True)
     return planner.predict_3d(shape, tuple(case["grid"]), case["dp"], machine)
 
 

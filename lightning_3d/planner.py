@@ -59,6 +59,10 @@ class Machine:
         replicated_passes: the part of that traffic 1-D TP runs on the whole activation on every
             rank (LayerNorms, residual adds: not split by TP).
         overhead_ms: fixed cost per layer and step (launches, small kernels, synchronisation).
+        overlap_cost: fraction of a hidden collective's time still paid by the compute it
+            overlaps (NCCL's SMs and memory traffic slow the GEMM; fitted: 0.4).
+        peer_overhead_ms: per layer and step, the DTensor peer's dispatch cost not hidden
+            behind its kernels (``predict_1d(..., anchor=True)``).
     """
 
     matmul_tflops: float
@@ -72,6 +76,8 @@ class Machine:
     passes_bwd: float = 24.0
     replicated_passes: float = 10.0
     overhead_ms: float = 0.05
+    overlap_cost: float = 0.4
+    peer_overhead_ms: float = 1.5
 
     def link(self, op: str, size: int, spans_nodes: bool) -> Link:
         """The Link of ``op`` in a group of ``size`` ranks (the nearest measured size inside a node)."""
@@ -221,18 +227,17 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
         regather = 0.0 if save_gathered else max(ag_a, ag_w)
         comm += ag_a + ag_w + rs_c + ag_dc + rs_da + rs_dw + (0.0 if save_gathered else ag_a + ag_w)
         fwd_exposed += ag_a + max(0.0, ag_w - t_mm) + rs_c  # W prefetched during the previous product
-        big, small = max(rs_da, rs_dw), min(rs_da, rs_dw)
-        bwd_exposed += max(ag_dc, regather) + max(0.0, big - t_mm) + small
+        larger, smaller = max(rs_da, rs_dw), min(rs_da, rs_dw)
+        bwd_exposed += max(ag_dc, regather) + max(0.0, larger - t_mm) + smaller
     fwd_exposed = fwd_exposed * L + coll("all_gather", "x", products[0][3] / py * h / pz)  # first weight of the step
     bwd_exposed *= L
-    # small all-reduces: replicated bias / norm gradients, distributed norm statistics
-    small = m.link("all_reduce", cube, _spans_nodes(m, 1, cube)).latency_us * 1e-6
-    replicated_grads = sum(1 for axes in (px * pz, px * pz, px * py, px * py) if axes > 1) + (4 if px * py > 1 else 0)
-    norm_stats = (6 if pz > 1 else 0)
-    bwd_exposed += L * replicated_grads * small
-    fwd_exposed += L * 4 * small if pz > 1 else 0.0
-    bwd_exposed += L * 2 * small if pz > 1 else 0.0
-    comm += L * (replicated_grads + norm_stats) * small
+    # latency-bound all-reduces: the biases' gradients (replicated over x and the feature axis),
+    # the norms' (over x and y), and with pz > 1 the norms' statistics (4 in forward, 2 in backward)
+    latency = m.link("all_reduce", cube, _spans_nodes(m, 1, cube)).latency_us * 1e-6
+    grad_reductions = 4 * (px * pz > 1 or px * py > 1) + 4 * (px * py > 1)
+    bwd_exposed += L * (grad_reductions + 2 * (pz > 1)) * latency
+    fwd_exposed += L * 4 * (pz > 1) * latency
+    comm += (grad_reductions + 6 * (pz > 1)) * latency
 
     local = tokens * h / cube  # elements of a local [tokens, hidden] activation
     ln_extra = 8.0 if pz > 1 else 0.0  # the distributed normalize's fp32 passes against the fused kernel
@@ -241,22 +246,30 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     t_mem_fwd = local * BYTES * (m.passes_fwd + ln_extra + regroup) / hbm
     t_mem_bwd = local * BYTES * (m.passes_bwd + 1.5 * ln_extra + regroup) / hbm
     attn = 4 * shape.batch / dp * shape.seq**2 * h / cube / rate
-    fwd = L * (sum(mm_fwd) + attn + t_mem_fwd) + fwd_exposed
-    bwd = L * (2 * (sum(mm_fwd) + attn) + t_mem_bwd) + bwd_exposed
-    overhead = L * m.overhead_ms * 1e-3
+    comm *= L
+    hidden = max(0.0, comm - fwd_exposed - bwd_exposed)
+    fwd = L * (sum(mm_fwd) + attn + t_mem_fwd) + fwd_exposed + m.overlap_cost * hidden / 2
+    bwd = L * (2 * (sum(mm_fwd) + attn) + t_mem_bwd) + bwd_exposed + m.overlap_cost * hidden / 2
     dp_sync = _dp_all_reduce(m, shape, cube, dp, strides["dp"])
-    bwd += dp_sync + overhead
+    bwd += dp_sync + L * m.overhead_ms * 1e-3
 
-    params = L * 12 * h * h / cube if f == 4 * h else L * (4 * h * h + 2 * h * f) / cube
-    saved_w = L * (4 * h * h + 2 * h * f) / (py * pz) if save_gathered else 0.0
+    weights = L * (4 * h * h + 2 * h * f)
     gathered = (lambda by: by) if save_gathered else (lambda by: 1)
-    act = L * (tokens * h / cube * (2 + 4 + f / h)  # norm inputs, q/k/v/attn out, GELU input
-               + tokens * h / cube * gathered(py) * 2  # qkv and fc1 inputs (gathered over y)
-               + tokens * h / cube * gathered(pz) * (1 + f / h))  # proj and fc2 inputs (gathered over z)
-    transient = tokens / px * max(3 * h / py, f / py) * 2 + tokens * h / cube * 6  # largest product and its dC; the loss in fp32
-    memory = (2 * params * BYTES + saved_w * BYTES + act * BYTES + transient * BYTES) / 2**30
-    return Prediction("3d", grid, dp, fwd * 1e3, bwd * 1e3, (comm * L + dp_sync) * 1e3, (fwd_exposed + bwd_exposed + dp_sync) * 1e3,
-                      memory, {"dp_sync_ms": dp_sync * 1e3})
+    saved_w = weights / (py * pz) if save_gathered and px > 1 else 0.0  # gathered copies kept for backward
+    norm_saved = 2 + (5 if pz > 1 else 0)  # the distributed normalize keeps fp32 x̂, rstd and the affine inputs
+    act = L * tokens * h / cube * (norm_saved + 4 + f / h  # norms, q/k/v and attention out, GELU input
+                                   + 2 * gathered(py)  # qkv and fc1 inputs (gathered over y)
+                                   + (1 + f / h) * gathered(pz))  # proj and fc2 inputs (gathered over z)
+    transient = tokens * h / cube * 5  # the input block and the loss's fp32 copies
+    memory = _peak(weights / cube, saved_w + act + transient, L)
+    return Prediction("3d", grid, dp, fwd * 1e3, bwd * 1e3, (comm + dp_sync) * 1e3, (fwd_exposed + bwd_exposed + dp_sync) * 1e3,
+                      memory, {"dp_sync_ms": dp_sync * 1e3, "hidden_comm_ms": hidden * 1e3})
+
+
+def _peak(params: float, saved: float, layers: int) -> float:
+    """GiB during the last layer's backward (parameters, everything saved, about half a layer's
+    gradients) or at the end of backward (parameters and all gradients), whichever is more."""
+    return max(params + saved + params / (2 * layers), 2 * params) * BYTES / 2**30
 
 
 def _dp_all_reduce(m: Machine, shape: ModelShape, model_parallel: int, dp: int, stride: int) -> float:
@@ -271,8 +284,12 @@ def _dp_all_reduce(m: Machine, shape: ModelShape, model_parallel: int, dp: int, 
 # ------------------------------------------------------------------ 1-D
 
 
-def predict_1d(shape: ModelShape, tp: int, dp: int = 1, machine: Machine = None) -> Prediction:
-    """Predicted step of ``shape`` under Megatron 1-D TP over ``tp`` ranks with ``dp`` replicas."""
+def predict_1d(shape: ModelShape, tp: int, dp: int = 1, machine: Machine = None, anchor: bool = False) -> Prediction:
+    """Predicted step of ``shape`` under Megatron 1-D TP over ``tp`` ranks with ``dp`` replicas.
+
+    ``anchor=True`` models the measured peer (``benchmarks/peer.py``): separate q, k, v
+    projections (three backward all-reduces instead of one) and DTensor's dispatch overhead.
+    """
     m = machine or DEFAULT_MACHINE
     h, f, L = shape.hidden, shape.ffn_hidden, shape.layers
     tokens = shape.batch * shape.seq / dp
@@ -288,13 +305,15 @@ def predict_1d(shape: ModelShape, tp: int, dp: int = 1, machine: Machine = None)
     if tp > 1:
         ar = m.link("all_reduce", tp, _spans_nodes(m, 1, tp)).seconds(full * BYTES * 2 * (tp - 1) / tp)
     dp_sync = _dp_all_reduce(m, shape, tp, dp, tp)
+    bwd_ars = 4 if anchor and tp > 1 else 2
+    overhead = (m.peer_overhead_ms if anchor and tp > 1 else m.overhead_ms) * 1e-3
     fwd = L * (mm + attn + t_mem_fwd + 2 * ar)
-    bwd = L * (2 * (mm + attn) + t_mem_bwd + 2 * ar + m.overhead_ms * 1e-3) + dp_sync
+    bwd = L * (2 * (mm + attn) + t_mem_bwd + bwd_ars * ar + overhead) + dp_sync
     params = L * (4 * h * h + 2 * h * f) / tp
     act = L * (full * 4 + full / tp * (4 + 1 + 2 * f / h))  # replicated: norm inputs and outputs
-    transient = full * 6 + tokens * f / tp * 2
-    memory = (2 * params + act + transient) * BYTES / 2**30
-    comm = L * 4 * ar + dp_sync
+    transient = full * 5  # the input and the loss's fp32 copies, whole on every rank
+    memory = _peak(params, act + transient, L)
+    comm = L * (2 + bwd_ars) * ar + dp_sync
     return Prediction("1d", (tp, 1, 1), dp, fwd * 1e3, bwd * 1e3, comm * 1e3, comm * 1e3, memory, {"dp_sync_ms": dp_sync * 1e3})
 
 

@@ -1,0 +1,72 @@
+"""The cost model: consistent counts, sensible choices, clear errors, and agreement with the
+points measured on 4× H200 (benchmarks/results/2026-11-26-h200x4)."""
+
+import glob
+import os
+import sys
+
+import pytest
+
+from lightning_3d import planner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "2026-11-26-h200x4", "bench_w*.json")))
+A = planner.ModelShape(4096, 32, 2048, 8, 4)
+B = planner.ModelShape(8192, 64, 2048, 4, 2)
+
+
+def test_one_rank_3d_equals_plain_model():
+    p3, p1 = planner.predict_3d(A, (1, 1, 1)), planner.predict_1d(A, 1)
+    assert p3.exposed_comm_ms == p1.exposed_comm_ms == 0.0
+    assert p3.step_ms == pytest.approx(p1.step_ms, rel=0.02)
+    assert p3.memory_GiB == pytest.approx(p1.memory_GiB, rel=0.1)
+
+
+def test_more_gpus_cost_less_time_and_memory_per_gpu():
+    one, four = planner.predict_3d(A, (1, 1, 1)), planner.predict_3d(A, (2, 2, 1))
+    assert four.step_ms < one.step_ms / 2 and four.memory_GiB < one.memory_GiB / 2
+    assert four.exposed_comm_ms > 0
+
+
+def test_regathering_trades_memory_for_communication():
+    saved, regathered = planner.predict_3d(B, (2, 2, 1)), planner.predict_3d(B, (2, 2, 1), save_gathered=False)
+    assert regathered.memory_GiB < saved.memory_GiB and regathered.comm_ms > saved.comm_ms
+
+
+def test_grid_error_names_the_broken_rule():
+    assert planner.grid_error(A, (2, 2, 1), 1) is None
+    assert planner.grid_error(planner.ModelShape(4096, 6, 2048, 8, 4), (1, 4, 1), 1) == "heads % py"
+    assert planner.grid_error(planner.ModelShape(4096, 32, 2048, 2, 4), (2, 2, 1), 1) == "batch/dp % px·py"
+
+
+def test_best_grid_is_the_fastest_feasible_candidate():
+    grid = planner.best_grid(4096, 32, 2048, 8, 4, world=4)
+    options = planner.candidates(A, 4, include_1d=False)
+    assert grid == options[0].grid and sum(options[0].grid) >= 3 and options[0].dp == 4 // (grid[0] * grid[1] * grid[2])
+    assert {p.method for p in planner.candidates(A, 4)} == {"3d", "1d"}
+
+
+def test_best_grid_errors():
+    with pytest.raises(ValueError, match="divides"):
+        planner.best_grid(4096, 32, 2048, 3, 4, world=4)
+    tiny = planner.Machine.from_bench({"matmul_tflops": 700.0, "copy_GBps": 4000.0}, memory_GiB=0.5)
+    with pytest.raises(ValueError, match="fits 0 GiB|fits 1 GiB|needs"):
+        planner.best_grid(4096, 32, 2048, 8, 4, world=4, machine=tiny)
+
+
+def test_nodes_slow_groups_that_span_them():
+    m = planner.DEFAULT_MACHINE
+    inside, across = planner.predict_3d(A, (8, 1, 1), 1, m), planner.predict_3d(A, (8, 1, 1), 1, planner.Machine.from_bench(
+        {"matmul_tflops": m.matmul_tflops, "copy_GBps": m.hbm_GBps}, gpus_per_node=4))
+    assert across.comm_ms > 2 * inside.comm_ms
+
+
+def test_predictions_within_15_percent_of_every_measured_point():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import check_planner
+
+    assert len(RESULTS) == 3
+    points = check_planner.rows(RESULTS)
+    assert len(points) >= 50
+    assert max(abs(p["step_err"]) for p in points) < 0.15
+    assert max(abs(p["mem_err"]) for p in points) < 0.15
