@@ -239,8 +239,8 @@ def generate_job(grid):
         greedy = model.generate(idx, 4, top_k=1)
         out[f"{style}_greedy_equal"] = bool(torch.equal(greedy, dense.generate(idx, 4, top_k=1)))
         torch.manual_seed(100 + dist.get_rank())
-        out[f"{style}_sampled"] = model.generate(idx, 10, temperature=1e3)[:, 5:]  # near-uniform draws
-        out[f"{style}_top_k"] = model.generate(idx, 6, top_k=3)[:, 5:]
+        out[f"{style}_sampled"] = model.generate(idx, 8, temperature=1e3)[:, 5:]  # near-uniform draws
+        out[f"{style}_top_k"] = model.generate(idx, 4, top_k=3)[:, 5:]
     out["cube"] = grid.coord("dp")
     return out
 
@@ -259,7 +259,7 @@ def test_generate_agrees_across_cube():
                     assert torch.equal(r[key], first[key]), (g, key, "cube ranks disagree")
             sampled = torch.stack([r[f"{style}_sampled"] for r in per_rank])
             assert sampled.max() < V, f"{g} {style}: a padded vocabulary id was generated"
-            assert len(sampled.unique()) > 20, f"{g} {style}: temperature 1e3 should draw nearly uniformly"
+            assert len(sampled.unique()) > 10, f"{g} {style}: temperature 1e3 should draw nearly uniformly"
 
 
 def roundtrip_job(grid, other_shape):
