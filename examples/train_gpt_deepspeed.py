@@ -20,9 +20,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from train_gpt import ByteGPT, StdlibText, TokensPerSecond, newest_checkpoint, pl
 
-import deepspeed_3d  # noqa: F401  (registers "tensor3d_deepspeed")
+from deepspeed_3d import Tensor3DDeepSpeedStrategy  # the class of whichever Lightning package is installed
+from train_gpt import ByteGPT, StdlibText, TokensPerSecond, newest_checkpoint, pl  # noqa: I001  (after deepspeed_3d: Lightning fully imported)
 
 HERE = Path(__file__).resolve().parent
 
@@ -61,7 +61,7 @@ def main() -> None:
     grid = tuple(int(s) for s in args.grid.split(",")) if args.grid else None
     if grid is not None:
         config.pop("tensor3d", None)
-    strategy = pl.strategies.StrategyRegistry.get("tensor3d_deepspeed", config=config, grid=grid)
+    strategy = Tensor3DDeepSpeedStrategy(config=config, grid=grid)
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices, strategy=strategy,
         precision=args.precision, max_steps=args.max_steps, limit_train_batches=args.steps_per_epoch,

@@ -21,7 +21,10 @@ def _installed(namespace: str) -> bool:
 
 
 def register_installed() -> list[type]:
-    """Define and register ``"tensor3d_deepspeed"`` in every installed Lightning namespace; returns the classes."""
+    """Define and register ``"tensor3d_deepspeed"`` in every installed Lightning namespace; returns the classes.
+
+    The first is ``lightning.pytorch``'s when installed, else ``pytorch_lightning``'s.
+    """
     return [importlib.import_module(f"{__name__}.{sub}").Tensor3DDeepSpeedStrategy for ns, sub in NAMESPACES.items() if _installed(ns)]
 
 
