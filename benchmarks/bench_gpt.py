@@ -16,8 +16,11 @@ step) for:
   all-gather prefetched (:class:`~lightning_3d.ops.matmul.WeightPrefetch`); and, on the A/B grids,
   the variants ``before`` (the matmul and norm code of commit 4e34463, loaded from ``--before``),
   ``no-prefetch``, ``regather`` (``save_gathered=False``), ``split-qkv`` (three Linear3D for
-  q, k, v instead of the fused one) and ``normal-priority`` (NCCL streams of normal priority;
-  every other case runs with ``TORCH_NCCL_HIGH_PRIORITY=1``).
+  q, k, v instead of the fused one), ``normal-priority`` (NCCL streams of normal priority;
+  every other case runs with ``TORCH_NCCL_HIGH_PRIORITY=1``), ``carveout`` (``--sm-carveout``
+  SMs left to NCCL during products that overlap a collective) and ``overlap`` (that, and the
+  forward product cut in two sequence chunks whose reduce-scatters overlap the next chunk);
+  see :func:`lightning_3d.ops.matmul.configure_overlap`.
 
 Reported per case: median forward, backward and step ms (CUDA events, max over ranks), TFLOP/s
 per GPU and MFU against the matmul rate measured in the same run, peak memory per GPU (max over
@@ -25,7 +28,7 @@ ranks, above what was allocated before the model was built), the relative error 
 block contribution ``y − x`` and of the loss against the dense model. Before that, on every grid,
 the 3-D model's loss, input gradient and every parameter gradient are checked against the dense
 model in float64, in float32 with TF32 off, to 1e-4 (two steps with prefetch, weights changed in
-place between them). Everything is written to ``DIR/bench_w{N}.json``; ``report.py`` prints the
+place between them; once with the library's default overlap settings, once with ``overlap``). Everything is written to ``DIR/bench_w{N}.json``; ``report.py`` prints the
 tables from those files.
 """
 
@@ -59,10 +62,10 @@ from lightning_3d.models.blocks3d import Block3D  # noqa: E402
 from lightning_3d.models.config import GPTConfig  # noqa: E402
 from lightning_3d.models.dense import DenseBlock  # noqa: E402
 from lightning_3d.models.init import init_dense_tensor_  # noqa: E402
-from lightning_3d.ops.matmul import WeightPrefetch  # noqa: E402
+from lightning_3d.ops.matmul import WeightPrefetch, configure_overlap  # noqa: E402
 from lightning_3d.sharding import get_spec, shard_tensor  # noqa: E402
 
-VARIANTS = ("before", "no-prefetch", "regather", "split-qkv", "normal-priority")
+VARIANTS = ("before", "no-prefetch", "regather", "split-qkv", "normal-priority", "carveout", "overlap")
 # High-priority NCCL streams let a collective start while a GEMM holds every SM (read by
 # ProcessGroupNCCL when a group's communicator is created, at its first collective).
 HIGH_PRIORITY = "TORCH_NCCL_HIGH_PRIORITY"
@@ -124,7 +127,7 @@ def cube_grids(n: int) -> list[tuple[int, int, int]]:
     return [g for g in itertools.product(range(1, n + 1), repeat=3) if math.prod(g) == n]
 
 
-def cases_for(world: int, main: bool, ab_grids: list[tuple[int, int, int]], with_before: bool) -> list[Case]:
+def cases_for(world: int, main: bool, ab_grids: list[tuple[int, int, int]], variants: list[str]) -> list[Case]:
     """Dense, the peer(s) and 3-D on every grid; on a main shape also dp layouts and the variants."""
     cases = [Case("dense"), Case("tp1d", (world, 1, 1))]
     if main and world >= 4:
@@ -132,7 +135,6 @@ def cases_for(world: int, main: bool, ab_grids: list[tuple[int, int, int]], with
     sizes = [c for c in range(world, 0, -1) if world % c == 0] if main else [world]
     cases += [Case("3d", g, world // c) for c in sizes for g in cube_grids(c)]
     if main:
-        variants = [v for v in VARIANTS if v != "before" or with_before]
         cases += [Case("3d", g, 1, v) for g in ab_grids if math.prod(g) == world for v in variants]
     return cases
 
@@ -215,6 +217,18 @@ def code_before(before_dir: str):
         yield
     finally:
         linear.matmul_abt, fused.matmul_abt, norm._Norm3D.forward = saved
+
+
+@contextlib.contextmanager
+def overlap(variant: str, sm_carveout: int):
+    """The products' overlap settings of ``variant`` (the library's defaults otherwise)."""
+    settings = {"carveout": (sm_carveout, 1), "overlap": (sm_carveout, 2)}.get(variant)
+    if settings is not None:
+        configure_overlap(*settings)
+    try:
+        yield
+    finally:
+        configure_overlap()
 
 
 @contextlib.contextmanager
@@ -412,7 +426,7 @@ def time_case(run: Run, case: Case, shape: Shape, states, x_full, ref_delta, pro
     args = run.args
     cuda = run.device.type == "cuda"
     before = code_before(args.before) if case.variant == "before" else contextlib.nullcontext()
-    with before, nccl_priority(case.variant != "normal-priority"):
+    with before, nccl_priority(case.variant != "normal-priority"), overlap(case.variant, args.sm_carveout):
         if cuda:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -461,7 +475,7 @@ def time_case(run: Run, case: Case, shape: Shape, states, x_full, ref_delta, pro
     return result
 
 
-def run_shape(run: Run, shape: Shape, main: bool, hw: dict) -> list[dict]:
+def run_shape(run: Run, shape: Shape, main: bool, profile: bool, hw: dict) -> list[dict]:
     args = run.args
     states = dense_block_states(shape, run.device, run.dtype, randomize=False)
     torch.manual_seed(2)
@@ -472,7 +486,8 @@ def run_shape(run: Run, shape: Shape, main: bool, hw: dict) -> list[dict]:
         ref_delta = dense.model(x_full) - x_full
         del dense
     ab_grids = [tuple(int(v) for v in g.split("x")) for g in args.ab_grids.split(",") if g] if main else []
-    cases = cases_for(run.world, main, ab_grids, bool(args.before))
+    variants = [v for v in args.variants.split(",") if v and (v != "before" or args.before)]
+    cases = cases_for(run.world, main, ab_grids, variants)
     results = []
     for case in cases:
         try:
@@ -483,12 +498,14 @@ def run_shape(run: Run, shape: Shape, main: bool, hw: dict) -> list[dict]:
         r = results[-1]
         run.log(f"  {shape.name:28s} {r['case']:26s} " + (f"step {r['step_ms']:8.2f} ms  peak {r['peak_GiB']:6.2f} GiB  "
                                                           f"out err {r['out_rel_err_vs_dense']:.2e}" if "step_ms" in r else "skipped"))
-    if args.profile and main and run.world > 1 and not run.cpu:
+    if args.profile and profile and run.world > 1 and not run.cpu:
         timed = [r for r in results if "step_ms" in r]
         best = min((r for r in timed if r["kind"] == "3d" and r["dp"] == 1 and not r["variant"]), key=lambda r: r["step_ms"])
-        for r in [best, next(r for r in timed if r["kind"] == "tp1d" and r["dp"] == 1)]:
+        same_grid = [r for r in timed if r["grid"] == best["grid"] and r["variant"] in ("carveout", "overlap")]
+        targets = [best] + ([min(same_grid, key=lambda r: r["step_ms"])] if same_grid else [])
+        for r in targets + [next(r for r in timed if r["kind"] == "tp1d" and r["dp"] == 1)]:
             case = Case(r["kind"], tuple(r["grid"]), r["dp"], r["variant"])
-            name = f"trace_w{run.world}_h{shape.h}_{case.kind}_{'x'.join(map(str, case.grid))}.json.gz"
+            name = f"trace_w{run.world}_h{shape.h}_{case.kind}_{'x'.join(map(str, case.grid))}{'_' + case.variant if case.variant else ''}.json.gz"
             prof = time_case(run, case, shape, states, x_full, ref_delta, os.path.join(args.out, name))
             r["profile"] = prof.get("profile")
             run.log(f"  profiled {case.label}: {r['profile']}")
@@ -529,7 +546,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--no-check", action="store_true", help="skip the float32 correctness check")
-    parser.add_argument("--profile", action="store_true", help="torch-profile the best 3-D grid and the peer on each main shape")
+    parser.add_argument("--profile", action="store_true", help="torch-profile the best 3-D grid (and its best overlap variant) and the peer on the last main shape")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="variants timed on the A/B grids")
+    parser.add_argument("--sm-carveout", type=int, default=16, help="SMs left to NCCL in the variants carveout and overlap")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     cpu = args.cpu
@@ -539,7 +558,7 @@ def main() -> None:
     if not cpu:
         torch.cuda.set_device(run.device)
     world = run.world
-    default_ab = {1: "1x1x1", 2: "2x1x1,1x2x1", 4: "2x2x1,1x2x2"}.get(world, "")
+    default_ab = {1: "1x1x1", 2: "2x1x1,1x2x1", 4: "4x1x1,1x4x1,2x2x1"}.get(world, "")
     args.ab_grids = default_ab if args.ab_grids is None else args.ab_grids
     if cpu:
         args.shapes = args.shapes or "h32,n4,s8,b8,L2"
@@ -561,14 +580,17 @@ def main() -> None:
         with no_tf32():
             for c in range(world, 0, -1):
                 if world % c == 0:
-                    for g in cube_grids(c):
-                        checks.append(check_grid(run, Case("3d", g, world // c), check_shape))
-                        run.log(f"  check {checks[-1]['case']:20s} max rel err {checks[-1]['max_rel_err']:.2e} {'ok' if checks[-1]['ok'] else 'FAILED'}")
+                    for g, variant in itertools.product(cube_grids(c), ("", "overlap")):
+                        with overlap(variant, args.sm_carveout):
+                            checks.append(check_grid(run, Case("3d", g, world // c, variant), check_shape))
+                        run.log(f"  check {checks[-1]['case']:28s} max rel err {checks[-1]['max_rel_err']:.2e} {'ok' if checks[-1]['ok'] else 'FAILED'}")
     results = {}
-    for text, main in [(t, True) for t in args.shapes.split(";") if t] + [(t, False) for t in (args.extra_shapes or "").split(";") if t]:
+    mains = [t for t in args.shapes.split(";") if t]
+    for text, main in [(t, True) for t in mains] + [(t, False) for t in (args.extra_shapes or "").split(";") if t]:
         shape = Shape.parse(text)
         run.log(f"shape {shape.name} ({'main' if main else 'extra'})")
-        results[shape.name] = {"shape": dataclasses.asdict(shape), "flops": shape.flops, "main": main, "cases": run_shape(run, shape, main, hw)}
+        cases = run_shape(run, shape, main, main and text == mains[-1], hw)
+        results[shape.name] = {"shape": dataclasses.asdict(shape), "flops": shape.flops, "main": main, "cases": cases}
     if run.rank == 0:
         path = os.path.join(args.out, f"bench_w{world}.json")
         with open(path, "w") as f:
