@@ -16,6 +16,9 @@ import json
 import os
 from typing import Any
 
+import deepspeed
+import torch.distributed as dist
+
 import lightning_3d
 from lightning_3d.grid import Grid
 
@@ -51,10 +54,13 @@ def grid_shape(config: dict[str, Any]) -> tuple[int, int, int] | None:
 def init_grid_from_config(config: dict[str, Any] | str | os.PathLike) -> Grid:
     """The grid the config asks for: the current grid when one exists (it must agree), else a new one.
 
-    Needs an initialised default process group. Raises ``ValueError`` when the section disagrees
-    with the current grid, or when there is neither a section nor a current grid.
+    Initialises the default process group first when needed (``deepspeed.init_distributed()``:
+    NCCL on CUDA, gloo on CPU). Raises ``ValueError`` when the section disagrees with the current
+    grid, or when there is neither a section nor a current grid.
     """
     shape = grid_shape(load_config(config))
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
     try:
         current = lightning_3d.get_grid()
     except RuntimeError:

@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 import deepspeed
-import torch.distributed as dist
 from torch import nn
 
 from .config import SECTION, check_batch_size, init_grid_from_config, load_config
@@ -40,8 +39,6 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     if "mpu" in kwargs:
         raise ValueError("deepspeed_3d.initialize builds the mpu from the grid; do not pass mpu=")
     config = load_config(config)
-    if not dist.is_initialized():
-        deepspeed.init_distributed()
     grid = init_grid_from_config(config)
     config.pop(SECTION, None)
     check_batch_size(config, grid)

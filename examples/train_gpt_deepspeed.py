@@ -20,9 +20,19 @@ import warnings
 from pathlib import Path
 
 import torch
+from train_gpt import (
+    ByteGPT,
+    CSVLogger,
+    ModelCheckpoint,
+    StdlibText,
+    TokensPerSecond,
+    newest_checkpoint,
+    pl,
+)
 
-from deepspeed_3d import Tensor3DDeepSpeedStrategy  # the class of whichever Lightning package is installed
-from train_gpt import ByteGPT, StdlibText, TokensPerSecond, newest_checkpoint, pl  # noqa: I001  (after deepspeed_3d: Lightning fully imported)
+from deepspeed_3d import (
+    Tensor3DDeepSpeedStrategy,  # the class of whichever Lightning package is installed
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -66,15 +76,15 @@ def main() -> None:
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices, strategy=strategy,
         precision=args.precision, max_steps=args.max_steps, limit_train_batches=args.steps_per_epoch,
         max_epochs=math.ceil(args.max_steps / args.steps_per_epoch), num_sanity_val_steps=-1, log_every_n_steps=5,
-        logger=pl.loggers.CSVLogger(out, name="logs"),
-        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
+        logger=CSVLogger(out, name="logs"),
+        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
                    TokensPerSecond(args.batch_size * args.seq_len)],
     )
     model = ByteGPT(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.dropout, args.lr, args.warmup, args.max_steps)
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
     trainer.fit(model, datamodule=data, ckpt_path=newest_checkpoint(out / "checkpoints") if args.resume else None)
     if trainer.is_global_zero:
-        start = "untrained {:.3f}".format(model.untrained_val_loss) if model.untrained_val_loss is not None else "start"
+        start = f"untrained {model.untrained_val_loss:.3f}" if model.untrained_val_loss is not None else "start"
         print(f"\nvalidation loss: {start} -> " + " -> ".join(f"{v:.3f}" for v in model.val_losses))
         print(f"checkpoint: {trainer.checkpoint_callback.best_model_path or newest_checkpoint(out / 'checkpoints')}")
 

@@ -13,13 +13,13 @@ import os
 import subprocess
 import sys
 
+import harness
 import pytest
 import torch
 import torch.nn.functional as F
+from checks import rel
 from torch import nn
 
-import harness
-from checks import rel
 from lightning_3d import LayerNorm3D, Linear3D, gather_activation, split_activation
 from lightning_3d.sharding import get_spec, shard_tensor
 
@@ -326,7 +326,7 @@ def test_initialize_errors(tmp_path):
 def test_lightning_strategy_fits_and_resumes(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "deepspeed_scripts", "lightning_fit_resume.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, script, str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, script, str(tmp_path)], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "RESULT ok" in proc.stdout, proc.stdout[-3000:]
 

@@ -7,19 +7,18 @@ plain-PyTorch dense model trained on the global batches; rank 0 prints ``RESULT 
 
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the model of test_deepspeed
 
-import lightning.pytorch as L  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+import lightning.pytorch as L
+import torch
+import torch.nn.functional as F
+from test_deepspeed import CLIP, LR, WEIGHT_DECAY, B, N, S, dense_model, model_3d
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import deepspeed_3d  # noqa: E402, F401  (registers "tensor3d_deepspeed")
-from test_deepspeed import CLIP, LR, WEIGHT_DECAY, B, N, S, dense_model, model_3d  # noqa: E402
+import deepspeed_3d  # noqa: F401  (registers "tensor3d_deepspeed")
 
 SHAPE, DP, STEPS, RESUME_AT = (1, 1, 2), 2, 4, 2
 TOL = 1e-5
