@@ -29,8 +29,12 @@ from lightning_3d.models import GPT3D, GPTConfig
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
 except ImportError:
     import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.loggers import CSVLogger
 
 SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__"}
 SEPARATOR = b"\n\n"
@@ -202,9 +206,9 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices, strategy=strategy,
         precision=args.precision, max_steps=args.max_steps, limit_train_batches=args.steps_per_epoch,
-        max_epochs=math.ceil(args.max_steps / args.steps_per_epoch), num_sanity_val_steps=-1, gradient_clip_val=1.0, log_every_n_steps=5,
-        logger=pl.loggers.CSVLogger(out, name="logs"),
-        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
+        max_epochs=-1, num_sanity_val_steps=-1,  # max_steps alone ends the run (and a resumed one) gradient_clip_val=1.0, log_every_n_steps=5,
+        logger=CSVLogger(out, name="logs"),
+        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
                    TokensPerSecond(args.batch_size * args.seq_len)],
     )
     model = ByteGPT(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.dropout, args.lr, args.warmup, args.max_steps)
@@ -217,7 +221,7 @@ def main() -> None:
     prompt = torch.tensor([list(b"def ")], device=device)
     sample = model.model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40)  # collective: every rank
     if trainer.is_global_zero:
-        start = "untrained {:.3f}".format(model.untrained_val_loss) if model.untrained_val_loss is not None else "start"
+        start = f"untrained {model.untrained_val_loss:.3f}" if model.untrained_val_loss is not None else "(resumed)"
         print(f"\nvalidation loss: {start} -> " + " -> ".join(f"{v:.3f}" for v in model.val_losses))
         print(f"checkpoint: {trainer.checkpoint_callback.best_model_path or newest_checkpoint(out / 'checkpoints')}")
         print("sample:\n" + bytes(sample[0].tolist()).decode("utf-8", errors="replace"))

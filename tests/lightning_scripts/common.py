@@ -100,10 +100,12 @@ def module_class(namespace: str):
 def fit(namespace: str, out: Path, name: str, strategy, epochs: int, devices: int, dropout: float = 0.0, ckpt_path=None, callbacks=()):
     """One ``Trainer.fit`` with a checkpoint at every epoch end under ``out/name``; writes ``out/name.rank<r>.json``."""
     pl = importlib.import_module(namespace)
+    save_every_epoch = importlib.import_module(f"{namespace}.callbacks").ModelCheckpoint(
+        dirpath=out / name, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs, gradient_clip_val=CLIP,
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
-        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=out / name, filename="{epoch}", save_top_k=-1, every_n_epochs=1), *callbacks],
+        callbacks=[save_every_epoch, *callbacks],
     )
     module = module_class(namespace)(dropout)
     trainer.fit(module, ckpt_path=ckpt_path)
