@@ -206,7 +206,7 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices, strategy=strategy,
         precision=args.precision, max_steps=args.max_steps, limit_train_batches=args.steps_per_epoch,
-        max_epochs=-1, num_sanity_val_steps=-1,  # max_steps alone ends the run (and a resumed one) gradient_clip_val=1.0, log_every_n_steps=5,
+        max_epochs=-1, num_sanity_val_steps=-1, gradient_clip_val=1.0, log_every_n_steps=5,  # max_steps alone ends a run
         logger=CSVLogger(out, name="logs"),
         callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
                    TokensPerSecond(args.batch_size * args.seq_len)],
