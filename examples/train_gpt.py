@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_3d import Tensor3DStrategy  # the class of whichever Lightning package is installed
+from lightning_3d import (
+    Tensor3DStrategy,  # the class of whichever Lightning package is installed
+)
 from lightning_3d.models import GPT3D, GPTConfig
 
 try:
@@ -51,7 +53,7 @@ def stdlib_bytes(max_bytes: int, val_every: int = 20) -> tuple[torch.Tensor, tor
         size += len(text)
         if size >= max_bytes:
             break
-    as_tensor = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)  # noqa: E731
+    as_tensor = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
     return as_tensor(train), as_tensor(val)
 
 

@@ -40,7 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, TensorStorageMetadata
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    FileSystemReader,
+    TensorStorageMetadata,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 

@@ -5,14 +5,14 @@ One 8-rank gloo pool: a model with every kind of 3-D parameter is saved with Ada
 optimizer state must come back exactly, and the one-process dense export must equal the gathered model.
 """
 
+import harness
 import torch
 from torch import nn
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-import harness
 from lightning_3d import LayerNorm3D, Linear3D, VocabParallelEmbedding3D
 from lightning_3d import checkpoint as ckpt
 from lightning_3d.sharding import get_spec, unshard_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 V, H, K = 16, 8, 12
 
@@ -81,7 +81,7 @@ def _assert_equal(a: dict, b: dict, what: str):
 def test_reshard_and_dense_export(tmp_path):
     path = str(tmp_path / "ckpt")
     saved = harness.run(8, save_job, (2, 2, 2), path)
-    offsets_ok, model, optim, groups = saved[0]
+    _, model, optim, groups = saved[0]
     assert all(r[0] for r in saved), "a DTensor view's global offset differs from its ShardSpec's slice"
     assert optim and all(torch.equal(r[1]["fc1.weight"], model["fc1.weight"]) for r in saved)
     for shape, dp in [((2, 2, 1), 2), ((1, 2, 2), 2), ((1, 1, 1), 8)]:

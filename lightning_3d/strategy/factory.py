@@ -177,7 +177,7 @@ def define_strategy(namespace: str, module_name: str) -> type:
 
         def process_dataloader(self, dataloader: object) -> object:
             """Seed dataloader workers by dp rank, so the cube ranks that share a batch draw alike."""
-            if int(os.environ.get("PL_SEED_WORKERS", 0)) and getattr(dataloader, "worker_init_fn", False) is None:
+            if int(os.environ.get("PL_SEED_WORKERS", "0")) and getattr(dataloader, "worker_init_fn", False) is None:
                 dataloader.worker_init_fn = partial(pl_worker_init_function, rank=self.grid.coord("dp"))
             return dataloader
 
@@ -302,11 +302,10 @@ def define_strategy(namespace: str, module_name: str) -> type:
             text = str(exception)
             if isinstance(exception, (RuntimeError, dist.DistBackendError)) and any(w in text.lower() for w in _COLLECTIVE_FAILURE):
                 px, py, pz = self._grid.shape if self._grid is not None else ("?", "?", "?")
-                exception.args = (
-                    f"tensor3d: a collective failed on rank {self.global_rank} of {self.world_size} "
-                    f"(grid {px}×{py}×{pz}, timeout {self._timeout.total_seconds():.0f} s): another rank died or stalled. "
-                    f"The run cannot go on; restart it with Trainer.fit(..., ckpt_path=<last checkpoint>). Cause: {text}",
-                ) + exception.args[1:]
+                message = (f"tensor3d: a collective failed on rank {self.global_rank} of {self.world_size} "
+                           f"(grid {px}×{py}×{pz}, timeout {self._timeout.total_seconds():.0f} s): another rank died or stalled. "
+                           f"The run cannot go on; restart it with Trainer.fit(..., ckpt_path=<last checkpoint>). Cause: {text}")
+                exception.args = (message, *exception.args[1:])
             super().on_exception(exception)
 
         @classmethod

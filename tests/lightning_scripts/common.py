@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_3d.grad_norm import grad_norm
-from lightning_3d.models import DenseGPT, GPT3D, GPTConfig
+from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
 
 SEED = 7
 INIT_SEED = 1234

@@ -13,13 +13,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import common  # noqa: E402
+import common
 
 common.quiet()
 
-import lightning.pytorch as pl  # noqa: E402
+import lightning.pytorch as pl
 
-from lightning_3d import Tensor3DStrategy  # noqa: E402
+from lightning_3d import Tensor3DStrategy
 
 KILL_RANK, KILL_STEP, TIMEOUT_S = 1, 4, 20
 

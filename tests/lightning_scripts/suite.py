@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import common  # noqa: E402
+import common
 
 common.quiet()
 
