@@ -16,11 +16,8 @@ step) for:
   all-gather prefetched (:class:`~lightning_3d.ops.matmul.WeightPrefetch`); and, on the A/B grids,
   the variants ``before`` (the matmul and norm code of commit 4e34463, loaded from ``--before``),
   ``no-prefetch``, ``regather`` (``save_gathered=False``), ``split-qkv`` (three Linear3D for
-  q, k, v instead of the fused one), ``normal-priority`` (NCCL streams of normal priority;
-  every other case runs with ``TORCH_NCCL_HIGH_PRIORITY=1``), ``carveout`` (``--sm-carveout``
-  SMs left to NCCL during products that overlap a collective) and ``overlap`` (that, and the
-  forward product cut in two sequence chunks whose reduce-scatters overlap the next chunk);
-  see :func:`lightning_3d.ops.matmul.configure_overlap`.
+  q, k, v instead of the fused one) and ``normal-priority`` (NCCL streams of normal priority;
+  every other case runs with ``TORCH_NCCL_HIGH_PRIORITY=1``).
 
 Reported per case: median forward, backward and step ms (CUDA events, max over ranks), TFLOP/s
 per GPU and MFU against the matmul rate measured in the same run, peak memory per GPU (max over
@@ -28,7 +25,7 @@ ranks, above what was allocated before the model was built), the relative error 
 block contribution ``y − x`` and of the loss against the dense model. Before that, on every grid,
 the 3-D model's loss, input gradient and every parameter gradient are checked against the dense
 model in float64, in float32 with TF32 off, to 1e-4 (two steps with prefetch, weights changed in
-place between them; once with the library's default overlap settings, once with ``overlap``). Everything is written to ``DIR/bench_w{N}.json``; ``report.py`` prints the
+place between them). Everything is written to ``DIR/bench_w{N}.json``; ``report.py`` prints the
 tables from those files.
 """
 
@@ -62,10 +59,10 @@ from lightning_3d.models.blocks3d import Block3D  # noqa: E402
 from lightning_3d.models.config import GPTConfig  # noqa: E402
 from lightning_3d.models.dense import DenseBlock  # noqa: E402
 from lightning_3d.models.init import init_dense_tensor_  # noqa: E402
-from lightning_3d.ops.matmul import WeightPrefetch, configure_overlap  # noqa: E402
+from lightning_3d.ops.matmul import WeightPrefetch  # noqa: E402
 from lightning_3d.sharding import get_spec, shard_tensor  # noqa: E402
 
-VARIANTS = ("before", "no-prefetch", "regather", "split-qkv", "normal-priority", "carveout", "overlap")
+VARIANTS = ("before", "no-prefetch", "regather", "split-qkv", "normal-priority")
 # High-priority NCCL streams let a collective start while a GEMM holds every SM (read by
 # ProcessGroupNCCL when a group's communicator is created, at its first collective).
 HIGH_PRIORITY = "TORCH_NCCL_HIGH_PRIORITY"
@@ -217,18 +214,6 @@ def code_before(before_dir: str):
         yield
     finally:
         linear.matmul_abt, fused.matmul_abt, norm._Norm3D.forward = saved
-
-
-@contextlib.contextmanager
-def overlap(variant: str, sm_carveout: int):
-    """The products' overlap settings of ``variant`` (the library's defaults otherwise)."""
-    settings = {"carveout": (sm_carveout, 1), "overlap": (sm_carveout, 2)}.get(variant)
-    if settings is not None:
-        configure_overlap(*settings)
-    try:
-        yield
-    finally:
-        configure_overlap()
 
 
 @contextlib.contextmanager
@@ -426,7 +411,7 @@ def time_case(run: Run, case: Case, shape: Shape, states, x_full, ref_delta, pro
     args = run.args
     cuda = run.device.type == "cuda"
     before = code_before(args.before) if case.variant == "before" else contextlib.nullcontext()
-    with before, nccl_priority(case.variant != "normal-priority"), overlap(case.variant, args.sm_carveout):
+    with before, nccl_priority(case.variant != "normal-priority"):
         if cuda:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -501,9 +486,7 @@ def run_shape(run: Run, shape: Shape, main: bool, profile: bool, hw: dict) -> li
     if args.profile and profile and run.world > 1 and not run.cpu:
         timed = [r for r in results if "step_ms" in r]
         best = min((r for r in timed if r["kind"] == "3d" and r["dp"] == 1 and not r["variant"]), key=lambda r: r["step_ms"])
-        same_grid = [r for r in timed if r["grid"] == best["grid"] and r["variant"] in ("carveout", "overlap")]
-        targets = [best] + ([min(same_grid, key=lambda r: r["step_ms"])] if same_grid else [])
-        for r in targets + [next(r for r in timed if r["kind"] == "tp1d" and r["dp"] == 1)]:
+        for r in [best, next(r for r in timed if r["kind"] == "tp1d" and r["dp"] == 1)]:
             case = Case(r["kind"], tuple(r["grid"]), r["dp"], r["variant"])
             name = f"trace_w{run.world}_h{shape.h}_{case.kind}_{'x'.join(map(str, case.grid))}{'_' + case.variant if case.variant else ''}.json.gz"
             prof = time_case(run, case, shape, states, x_full, ref_delta, os.path.join(args.out, name))
@@ -546,9 +529,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--no-check", action="store_true", help="skip the float32 correctness check")
-    parser.add_argument("--profile", action="store_true", help="torch-profile the best 3-D grid (and its best overlap variant) and the peer on the last main shape")
+    parser.add_argument("--profile", action="store_true", help="torch-profile the best 3-D grid and the peer on the last main shape")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="variants timed on the A/B grids")
-    parser.add_argument("--sm-carveout", type=int, default=16, help="SMs left to NCCL in the variants carveout and overlap")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     cpu = args.cpu
@@ -580,9 +562,8 @@ def main() -> None:
         with no_tf32():
             for c in range(world, 0, -1):
                 if world % c == 0:
-                    for g, variant in itertools.product(cube_grids(c), ("", "overlap")):
-                        with overlap(variant, args.sm_carveout):
-                            checks.append(check_grid(run, Case("3d", g, world // c, variant), check_shape))
+                    for g in cube_grids(c):
+                        checks.append(check_grid(run, Case("3d", g, world // c), check_shape))
                         run.log(f"  check {checks[-1]['case']:28s} max rel err {checks[-1]['max_rel_err']:.2e} {'ok' if checks[-1]['ok'] else 'FAILED'}")
     results = {}
     mains = [t for t in args.shapes.split(";") if t]

@@ -25,7 +25,6 @@ is gathered over y to ``[b/px, s, N/pz]``; ``W`` ``[K/(px·py), N/pz]`` over x t
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -117,7 +116,8 @@ class WeightPrefetch:
         following = self._position[key] + 1
         if following < len(self._order):
             w_next, group_next = self._order[following]
-            self._ahead = (_storage_key(w_next), w_next._version, dtype) + comm.all_gather_dim0(_cast(w_next, dtype), group_next, async_op=True)
+            gathered_next = comm.all_gather_dim0(_cast(w_next, dtype), group_next, async_op=True)
+            self._ahead = (_storage_key(w_next), w_next._version, dtype) + gathered_next
         return gathered
 
 
@@ -142,63 +142,6 @@ class MatmulPlan(NamedTuple):
     group_c: object
     save_gathered: bool
     prefetch: WeightPrefetch | None = None
-
-
-_overlap_sms: int | None = None
-_scatter_chunks: int = 1
-
-
-def configure_overlap(sm_carveout: int | None = None, scatter_chunks: int = 1) -> None:
-    """How the products overlap their collectives (process-wide, like ``torch.backends`` flags).
-
-    Args:
-        sm_carveout: SMs left to NCCL during a product that runs while a collective is in flight
-            (the second backward product beside the first one's reduce-scatter; the later chunks
-            below). Without it a persistent cuBLAS GEMM holds every SM and the collective waits
-            for it to end. None (default) leaves cuBLAS alone. Uses PyTorch's experimental
-            cuBLASLt SM carve-out; no effect where that is absent.
-        scatter_chunks: cut the forward product along the sequence dim into this many chunks,
-            each reduce-scattered while the next is computed (1: one product, one scatter).
-    """
-    global _overlap_sms, _scatter_chunks
-    if sm_carveout is not None and sm_carveout < 0:
-        raise ValueError(f"configure_overlap: sm_carveout must be None or >= 0 SMs, got {sm_carveout}")
-    if scatter_chunks < 1:
-        raise ValueError(f"configure_overlap: scatter_chunks must be >= 1, got {scatter_chunks}")
-    _overlap_sms, _scatter_chunks = sm_carveout, scatter_chunks
-
-
-def _product_scattered(form: str, a: torch.Tensor, b: torch.Tensor, bias, group) -> torch.Tensor:
-    """``reduce_scatter_dim0(_mm(form, a, b, bias), group)``, in ``_scatter_chunks`` sequence
-    chunks whose scatters overlap the next chunk's product. Rows of ``"ab"``/``"abt"`` products
-    are rows of ``a``, so chunk i of the result is the product of chunk i of ``a``."""
-    chunks = _scatter_chunks
-    if chunks == 1 or form == "atb" or a.dim() < 3 or a.shape[1] % chunks or dist.get_world_size(group) == 1:
-        return comm.reduce_scatter_dim0(_mm(form, a, b, bias), group)[0]
-    parts, works = [], []
-    for a_part in a.chunk(chunks, dim=1):
-        with _sm_carveout(bool(works)):
-            product = _mm(form, a_part, b, bias)
-        part, work = comm.reduce_scatter_dim0(product, group, async_op=True)
-        parts.append(part)
-        works.append(work)
-    for work in works:
-        work.wait()
-    return torch.cat(parts, dim=1)
-
-
-@contextlib.contextmanager
-def _sm_carveout(active: bool):
-    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    if not active or _overlap_sms is None or setter is None or not torch.cuda.is_available():
-        yield
-        return
-    previous = torch._C._get_sm_carveout_experimental()
-    setter(_overlap_sms)
-    try:
-        yield
-    finally:
-        setter(previous)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -229,7 +172,7 @@ class _Matmul3D(torch.autograd.Function):
         wait_b.wait()
         # the reduce-scatter sums over C's group: the bias joins the partial product of one rank
         bias = bias.to(a_full.dtype) if bias is not None and dist.get_rank(plan.group_c) == 0 else None
-        c = _product_scattered(plan.form, a_full, b_full, bias, plan.group_c)
+        c, _ = comm.reduce_scatter_dim0(_mm(plan.form, a_full, b_full, bias), plan.group_c)
         ctx.save_for_backward(*((a_full, b_full) if plan.save_gathered else (a, _cast(b, cast))))
         return c
 
@@ -251,9 +194,7 @@ class _Matmul3D(torch.autograd.Function):
         for k in sorted((k for k in (0, 1) if moved[k] >= 0), key=lambda k: -moved[k]):
             form, (x, y) = _BACKWARD[plan.form][k]
             waits[1 - k].wait()  # dA reads B, dB reads A
-            with _sm_carveout(any(done is not comm.DONE for done in scatters)):  # let the scatter in flight run beside it
-                product = _mm(form, operands[x], operands[y])
-            grads[k], done = comm.reduce_scatter_dim0(product, groups[k], async_op=True)
+            grads[k], done = comm.reduce_scatter_dim0(_mm(form, operands[x], operands[y]), groups[k], async_op=True)
             scatters.append(done)
         grad_bias = grad_c.sum(tuple(range(grad_c.dim() - 1))) if ctx.needs_input_grad[2] else None
         for done in scatters:
