@@ -113,3 +113,15 @@ def test_bad_shapes_raise_with_numbers_and_fix():
     assert "global batch 2 must be divisible by px·py = 2 and px·pz = 4" in msgs["batch"] and "multiple of 4" in msgs["batch"]
     assert "batch 6 must be divisible by px·py = 4" in msgs["emb_batch"]
     assert "holds shape [12, 9], the module expects [12, 8]" in msgs["load"]
+
+
+def to_empty_job(grid):
+    """Building on meta and materialising with to_empty keeps every parameter's ShardSpec."""
+    lin = Linear3D(8, 12, grid=grid, device="meta")
+    specs = {n: get_spec(p) for n, p in lin.named_parameters()}
+    lin.to_empty(device="cpu")
+    return all(get_spec(p) == specs[n] and not p.is_meta for n, p in lin.named_parameters())
+
+
+def test_to_empty_keeps_specs():
+    assert all(r[(2, 2, 2)] for r in harness.run(8, on_grids, [(2, 2, 2)], to_empty_job))

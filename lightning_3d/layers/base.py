@@ -72,6 +72,15 @@ class Module3D(nn.Module):
         super().__init__()
         self.grid = resolve_grid(grid)
 
+    def _apply(self, fn, recurse=True):
+        """Keep each parameter's ShardSpec when a conversion (``to_empty``, ``to(device)``) replaces it."""
+        specs = {name: get_spec(p) for name, p in self._parameters.items() if p is not None}
+        result = super()._apply(fn, recurse)
+        for name, spec in specs.items():
+            if spec is not None and self._parameters[name] is not None:
+                set_spec(self._parameters[name], spec)
+        return result
+
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the keys of the equivalent ``torch.nn`` module (collective over the cube)."""
         return dense_state_dict(self, self.grid)

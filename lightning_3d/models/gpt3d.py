@@ -21,7 +21,7 @@ from ..layers import Dropout3D, Linear3D, Module3D, VocabParallelEmbedding3D
 from ..layers.base import dense_state_dict, load_dense_state_dict
 from ..layout import gather_activation
 from ..ops import matmul_abt, vocab_parallel_cross_entropy
-from ..sharding import get_spec, set_spec, shard_tensor
+from ..sharding import get_spec, shard_tensor
 from .attention import rope_tables
 from .blocks3d import Block3D, norm3d
 from .config import GPTConfig
@@ -71,10 +71,7 @@ class GPT3D(Module3D):
         self.lm_head = None if config.tie_embeddings else Linear3D(
             h, self.padded_vocab_size, bias=False, input_layout="z", grid=grid, save_gathered=save_gathered, **factory)
         self.dense_shapes = {k: tuple(t.shape) for k, t in DenseGPT(config, device="meta").state_dict().items()}
-        specs = {name: get_spec(p) for name, p in self.named_parameters()}
         self.to_empty(device=device if device is not None else torch.get_default_device())
-        for name, p in self.named_parameters():  # to_empty replaces meta parameters by new objects
-            set_spec(p, specs[name])
         self.reset_parameters()
 
     # ----- dense exchange: the global tensor of every key is its dense tensor, padded and reshaped -----
