@@ -51,6 +51,14 @@ def grid_shape(config: dict[str, Any]) -> tuple[int, int, int] | None:
     return tuple(shape)
 
 
+def current_grid() -> Grid | None:
+    """The current grid (``lightning_3d.get_grid()``), or None when there is none."""
+    try:
+        return lightning_3d.get_grid()
+    except RuntimeError:
+        return None
+
+
 def init_grid_from_config(config: dict[str, Any] | str | os.PathLike) -> Grid:
     """The grid the config asks for: the current grid when one exists (it must agree), else a new one.
 
@@ -61,10 +69,7 @@ def init_grid_from_config(config: dict[str, Any] | str | os.PathLike) -> Grid:
     shape = grid_shape(load_config(config))
     if not dist.is_initialized():
         deepspeed.init_distributed()
-    try:
-        current = lightning_3d.get_grid()
-    except RuntimeError:
-        current = None
+    current = current_grid()
     if current is not None:
         if shape is not None and tuple(current.shape) != shape:
             px, py, pz = current.shape

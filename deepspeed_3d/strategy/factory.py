@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from lightning_3d.grid import Grid, set_grid
+from lightning_3d.strategy import grid_rules
 
-from ..config import SECTION, grid_shape, init_grid_from_config
+from ..config import SECTION, current_grid, grid_shape, init_grid_from_config
 from ..engine import initialize
 
 
@@ -45,7 +46,9 @@ def define_strategy(namespace: str, module_name: str) -> type:
 
         Args:
             grid: ``(px, py, pz)``; sets the config's ``"tensor3d"`` section (which must then
-                agree, if present). Without either, the current grid (``lightning_3d.init_grid``).
+                agree, if present). Without either: the current grid when one exists, else the
+                devices of one node factored as evenly as possible (``"tensor3d"``'s ``"auto"``:
+                8 → 2×2×2, 4 → 2×2×1, 2 → 2×1×1).
             **kwargs: as ``DeepSpeedStrategy`` (``config=``, ``stage=``, ...).
 
         The LightningModule builds its 3-D layers in ``configure_model()`` (the grid is current
@@ -72,6 +75,9 @@ def define_strategy(namespace: str, module_name: str) -> type:
         def setup_environment(self) -> None:
             """Processes and DeepSpeed's process group (on any accelerator, CPU included), then the grid."""
             super(DeepSpeedStrategy, self).setup_environment()
+            if grid_shape(self.config) is None and current_grid() is None:
+                shape, _ = grid_rules.resolve("auto", "auto", self.world_size, self.num_processes)
+                self.config[SECTION] = {"grid": list(shape)}
             self._grid = init_grid_from_config(self.config)
             set_grid(self._grid)
             self.lightning_module.grid = self._grid

@@ -1,12 +1,17 @@
 """``"tensor3d_deepspeed"`` under Lightning on CPU: fit 1 epoch of 2 steps, checkpoint, resume to 2 epochs.
 
+The first fit passes the strategy object; the resumed one names it (``strategy="tensor3d_deepspeed"``)
+and gives the config through ``PL_DEEPSPEED_CONFIG_PATH``.
+
 Launched by tests/test_deepspeed.py as ``python lightning_fit_resume.py TMPDIR``; Lightning starts
 the other 3 processes (grid 1×1×2, dp 2, ZeRO-2). Every rank compares its replica's losses with a
 plain-PyTorch dense model trained on the global batches; rank 0 prints ``RESULT ok``.
 """
 
+import copy
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +23,7 @@ import torch.nn.functional as F
 from test_deepspeed import CLIP, LR, WEIGHT_DECAY, B, N, S, dense_model, model_3d
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import deepspeed_3d  # noqa: F401  (registers "tensor3d_deepspeed")
+import deepspeed_3d  # registers "tensor3d_deepspeed"
 
 SHAPE, DP, STEPS, RESUME_AT = (1, 1, 2), 2, 4, 2
 TOL = 1e-5
@@ -76,11 +81,18 @@ def dense_replica_losses(dp_rank: int) -> list[float]:
     return losses
 
 
-def trainer(epochs: int) -> L.Trainer:
-    config = {"zero_optimization": {"stage": 2}, "gradient_clipping": CLIP, "tensor3d": {"grid": list(SHAPE)}}
-    from deepspeed_3d.strategy.lightning import Tensor3DDeepSpeedStrategy
+CONFIG = {"zero_optimization": {"stage": 2}, "gradient_clipping": CLIP, "tensor3d": {"grid": list(SHAPE)}}
 
-    strategy = Tensor3DDeepSpeedStrategy(config=config, timeout=datetime.timedelta(seconds=120))
+
+def trainer(epochs: int, tmp: Path, by_name: bool) -> L.Trainer:
+    """The strategy as an object, or by its registered name with the config from PL_DEEPSPEED_CONFIG_PATH."""
+    if by_name:
+        path = tmp / f"ds_config_{os.getpid()}.json"
+        path.write_text(json.dumps(CONFIG))
+        os.environ["PL_DEEPSPEED_CONFIG_PATH"] = str(path)
+        strategy = "tensor3d_deepspeed"
+    else:
+        strategy = deepspeed_3d.Tensor3DDeepSpeedStrategy(config=copy.deepcopy(CONFIG), timeout=datetime.timedelta(seconds=120))  # Lightning edits it
     return L.Trainer(accelerator="cpu", devices=DP * 2, strategy=strategy, max_epochs=epochs, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
@@ -88,12 +100,12 @@ def trainer(epochs: int) -> L.Trainer:
 def main(tmp: Path) -> None:
     loader = DataLoader(dataset(), batch_size=B)
     first = Module(seed=0)
-    t1 = trainer(1)
+    t1 = trainer(1, tmp, by_name=False)
     t1.fit(first, loader)
     ckpt = tmp / "resume.ckpt"
     t1.save_checkpoint(ckpt)
     second = Module(seed=5)  # other weights: the checkpoint must overwrite them
-    t2 = trainer(STEPS // RESUME_AT)
+    t2 = trainer(STEPS // RESUME_AT, tmp, by_name=True)
     t2.fit(second, loader, ckpt_path=ckpt)
     grid = t2.strategy.grid
     losses = first.losses + second.losses
