@@ -62,7 +62,8 @@ class WeightPrefetch:
     (or a view of one); from then on, gathering weight k also starts the gather of weight k+1,
     so that its communication hides behind product k instead of delaying product k+1. A
     prefetched weight is used only while it is the same version of the same storage in the same
-    dtype (an optimizer step in between discards it). One is held at a time, costing one
+    dtype (an in-place change in between, as an optimizer step makes, discards it; a change
+    through ``.data`` bumps no version and would go unseen). One is held at a time, costing one
     gathered weight of memory; results are bit-identical.
     """
 
