@@ -112,7 +112,8 @@ def fit(namespace: str, out: Path, name: str, strategy, epochs: int, devices: in
     strategy = trainer.strategy
     record = {**module.record, "grid": list(strategy.grid.shape), "dp": strategy.grid.data_parallel_size,
               "coords": list(strategy.grid.coords), "strategy": f"{type(strategy).__module__}.{type(strategy).__name__}",
-              "global_step": trainer.global_step}
+              "global_step": trainer.global_step,
+              "worker_seed_rank": getattr(trainer.train_dataloader.worker_init_fn, "keywords", {}).get("rank")}
     (out / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
     return trainer, module
 

@@ -1,14 +1,15 @@
 """Driver: a run that loses a rank, then its resumption (Lightning's own launcher: ``devices=2``).
 
 ``python kill_resume.py OUT kill``: 2×1×1 (auto for 2 devices), 3 epochs of 3 steps with a checkpoint
-at every epoch end; rank 1 SIGKILLs itself before step 5. The survivor must fail within the
-strategy's timeout with tensor3d's message. ``python kill_resume.py OUT resume``: the same run,
+at every epoch end; rank 1 SIGKILLs itself before step 5 (noting the time in ``OUT/killed_at``). The
+survivor must fail within the strategy's timeout (60 s) with tensor3d's message. ``python kill_resume.py OUT resume``: the same run,
 resumed from the newest checkpoint, to the end; its losses land in ``OUT/resumed.rank<r>.json``.
 """
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -21,12 +22,18 @@ import lightning.pytorch as pl
 
 from lightning_3d import Tensor3DStrategy
 
-KILL_RANK, KILL_STEP, TIMEOUT_S = 1, 4, 20
+KILL_RANK, KILL_STEP, TIMEOUT_S = 1, 4, 60
 
 
 class KillRank(pl.Callback):
+    """Rank ``KILL_RANK`` notes the time in ``OUT/killed_at`` and SIGKILLs itself before step ``KILL_STEP + 1``."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if trainer.global_rank == KILL_RANK and trainer.global_step == KILL_STEP:
+            (self.out / "killed_at").write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -35,7 +42,7 @@ if __name__ == "__main__":
     pl.seed_everything(common.SEED)
     strategy = Tensor3DStrategy(timeout=TIMEOUT_S)
     if mode == "kill":
-        common.fit("lightning.pytorch", out, "killed", strategy, epochs=3, devices=2, callbacks=[KillRank()])
+        common.fit("lightning.pytorch", out, "killed", strategy, epochs=3, devices=2, callbacks=[KillRank(out)])
     else:
         newest = max((out / "killed").glob("epoch=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
         common.fit("lightning.pytorch", out, "resumed", strategy, epochs=3, devices=2, ckpt_path=newest)
