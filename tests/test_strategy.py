@@ -172,6 +172,12 @@ def test_fit_equals_dense_twin(runs, dense):
     assert max(dense["grad_norm"][:6]) > common.CLIP, "clipping never acted: this test could not fail on it"
 
 
+def test_bf16_mixed_follows_the_dense_twin(runs, dense):
+    h = records(runs, "H")[0]
+    assert_close(h["loss"], dense["loss"][:3], "2×1×1 dp 2 bf16-mixed losses", 5e-3)
+    assert h["loss"] != dense["loss"][:3], "bf16-mixed gave float32's exact losses: autocast was off"
+
+
 def test_zero1_equals_plain_data_parallel(runs):
     f, g = records(runs, "F")[0], records(runs, "G")[0]
     assert_close(g["loss"], f["loss"], "ZeRO-1 vs plain dp losses", 1e-7)

@@ -97,13 +97,14 @@ def module_class(namespace: str):
     return LitGPT
 
 
-def fit(namespace: str, out: Path, name: str, strategy, epochs: int, devices: int, dropout: float = 0.0, ckpt_path=None, callbacks=()):
+def fit(namespace: str, out: Path, name: str, strategy, epochs: int, devices: int, dropout: float = 0.0, ckpt_path=None,
+        callbacks=(), precision="32-true"):
     """One ``Trainer.fit`` with a checkpoint at every epoch end under ``out/name``; writes ``out/name.rank<r>.json``."""
     pl = importlib.import_module(namespace)
     save_every_epoch = importlib.import_module(f"{namespace}.callbacks").ModelCheckpoint(
         dirpath=out / name, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs, gradient_clip_val=CLIP,
+        accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_epochs=epochs, gradient_clip_val=CLIP,
         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
         callbacks=[save_every_epoch, *callbacks],
     )
