@@ -87,7 +87,7 @@ def global_batch(step: int, dp: int):
 def engine_step(engine, grid, step: int, dtype=torch.float32) -> float:
     x, target = global_batch(step, grid.data_parallel_size)
     rows = slice(grid.coord("dp") * B, (grid.coord("dp") + 1) * B)
-    loss = F.mse_loss(engine(x[rows].to(dtype)).float(), target[rows])
+    loss = F.mse_loss(engine(x[rows].to(engine.device, dtype)).float(), target[rows].to(engine.device))
     engine.backward(loss)
     engine.step()
     return float(loss)
@@ -161,7 +161,7 @@ def training_job(shape, stages, ckpt_root):
         if stage < 3:  # ZeRO-3 keeps only a partition of each parameter
             for (name, p), ref in zip(engine.module.named_parameters(), dense.parameters()):
                 spec = get_spec(p)
-                res["broadcast"][name] = rel(p.detach(), shard_tensor(ref.detach(), spec, grid) if spec is not None else ref.detach())
+                res["broadcast"][name] = rel(p.detach().cpu(), shard_tensor(ref.detach(), spec, grid) if spec is not None else ref.detach())
         ref_losses, ref_norms, ref_saved = dense_run(dense, dp)
         losses, norms = [], []
         ckpt = os.path.join(ckpt_root, f"{'x'.join(map(str, shape))}_zero{stage}")
@@ -174,7 +174,7 @@ def training_job(shape, stages, ckpt_root):
             if step == SAVE_AFTER:
                 after_save = local_params(engine)
         # replica losses → the global batch's loss, which the dense model sees
-        loss_t = torch.tensor(losses)
+        loss_t = torch.tensor(losses, device=engine.device)
         dist.all_reduce(loss_t, group=grid.group("dp"))
         res["loss"] = max(abs(a - b) / abs(b) for a, b in zip((loss_t / dp).tolist(), ref_losses))
         res["norm"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
@@ -214,7 +214,7 @@ def gpt_job(shape, stage, ckpt_root):
     loss_err, norm_err, saved = 0.0, 0.0, None
     for step in range(STEPS):
         ids = torch.randint(0, config.vocab_size, (dp * B, S + 1), generator=torch.Generator().manual_seed(step))
-        mine = ids[d * B:(d + 1) * B]
+        mine = ids[d * B:(d + 1) * B].to(engine.device)
         loss = engine(mine[:, :-1], mine[:, 1:])
         engine.backward(loss)
         engine.step()
@@ -234,7 +234,7 @@ def gpt_job(shape, stage, ckpt_root):
     if dist.get_rank() == 0:
         exported = deepspeed_3d.to_dense(ckpt)
         res["export_keys"] = sorted(exported) == sorted(dense.state_dict())
-        res["export_exact"] = all(torch.equal(exported[k], v) for k, v in saved.items())
+        res["export_exact"] = all(torch.equal(exported[k], v.cpu()) for k, v in saved.items())
     dist.barrier()
     return res
 
@@ -257,7 +257,7 @@ def bf16_job(shape, stages):
         for step in range(STEPS):
             losses.append(engine_step(engine, grid, step, torch.bfloat16))
             norms.append(float(engine.get_global_grad_norm()))
-        loss_t = torch.tensor(losses)
+        loss_t = torch.tensor(losses, device=engine.device)
         dist.all_reduce(loss_t, group=grid.group("dp"))
         out[stage] = {"loss": max(abs(a - b) / b for a, b in zip((loss_t / dp).tolist(), ref_losses)),
                       "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms))}

@@ -3,7 +3,7 @@
 The first fit passes the strategy object; the resumed one names it (``strategy="tensor3d_deepspeed"``)
 and gives the config through ``PL_DEEPSPEED_CONFIG_PATH``.
 
-Launched by tests/test_deepspeed.py as ``python lightning_fit_resume.py TMPDIR``; Lightning starts
+Launched by tests/test_deepspeed.py as ``python lightning_fit_resume.py TMPDIR [cpu|gpu]``; Lightning starts
 the other 3 processes (grid 1×1×2, dp 2, ZeRO-2). Every rank compares its replica's losses with a
 plain-PyTorch dense model trained on the global batches; rank 0 prints ``RESULT ok``.
 """
@@ -26,6 +26,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import deepspeed_3d  # registers "tensor3d_deepspeed"
 
 SHAPE, DP, STEPS, RESUME_AT = (1, 1, 2), 2, 4, 2
+ACCELERATOR = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+torch.backends.cuda.matmul.allow_tf32 = False  # GPU runs compare with the float32 dense model
 TOL = 1e-5
 
 
@@ -35,7 +37,9 @@ class Module(L.LightningModule):
         self.seed, self.losses = seed, []
 
     def configure_model(self):
-        self.model = model_3d(dense_model(self.seed), self.grid)
+        with torch.device("cpu"):  # the dense weights from the CPU generator, as in the reference (on GPU too)
+            dense = dense_model(self.seed)
+        self.model = model_3d(dense, self.grid)
 
     def training_step(self, batch, _):
         x, target = batch
@@ -93,7 +97,7 @@ def trainer(epochs: int, tmp: Path, by_name: bool) -> L.Trainer:
         strategy = "tensor3d_deepspeed"
     else:
         strategy = deepspeed_3d.Tensor3DDeepSpeedStrategy(config=copy.deepcopy(CONFIG), timeout=datetime.timedelta(seconds=120))  # Lightning edits it
-    return L.Trainer(accelerator="cpu", devices=DP * 2, strategy=strategy, max_epochs=epochs, logger=False,
+    return L.Trainer(accelerator=ACCELERATOR, devices=DP * 2, strategy=strategy, max_epochs=epochs, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
 
