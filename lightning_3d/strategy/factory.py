@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint as ckpt
-from ..grad_norm import clip_grad_norm_
 from ..grid import Grid, init_grid, set_grid
 from . import grid_rules
+from .precision import agree_on_overflow, clip_globally
 from .zero import ShardedOptimizerState
 
 FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
@@ -49,41 +49,6 @@ def _grid(shape: tuple[int, int, int], dp: int, device_type: str, timeout: datet
     if key not in _grids:
         _grids[key] = init_grid(shape, dp, device_type=device_type, timeout=timeout)
     return _grids[key]
-
-
-class GlobalNormClipping:
-    """Precision-plugin mixin: ``gradient_clip_val`` clips by the 3-D model's global norm."""
-
-    tensor3d_grid: Grid
-
-    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val, self.tensor3d_grid)
-
-
-_clipping_classes: dict[type, type] = {}
-
-
-def _clip_globally(plugin, grid: Grid) -> None:
-    """Give ``plugin`` (any precision plugin) the :class:`GlobalNormClipping` behaviour, keeping its qualname."""
-    cls = type(plugin)
-    if not isinstance(plugin, GlobalNormClipping):
-        if cls not in _clipping_classes:
-            _clipping_classes[cls] = type(cls.__name__, (GlobalNormClipping, cls), {"__qualname__": cls.__qualname__})
-        plugin.__class__ = _clipping_classes[cls]
-    plugin.tensor3d_grid = grid
-
-
-def _agree_on_overflow(plugin) -> None:
-    """fp16: the loss scaler skips a step on every rank when any rank's shard overflowed."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-    scaler = getattr(plugin, "scaler", None)
-    if scaler is None or isinstance(scaler, ShardedGradScaler):
-        return
-    plugin.scaler = ShardedGradScaler(
-        scaler._device, init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
-        backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
-        enabled=scaler._enabled, process_group=dist.group.WORLD)
 
 
 def _as_timedelta(timeout: datetime.timedelta | float) -> datetime.timedelta:
@@ -213,8 +178,8 @@ def define_strategy(namespace: str, module_name: str) -> type:
                 self._zero = {id(opt): ShardedOptimizerState(opt, self.grid) for opt in map(_unwrap, self.optimizers)}
 
         def _clip_and_scale_globally(self) -> None:
-            _clip_globally(self.precision_plugin, self.grid)
-            _agree_on_overflow(self.precision_plugin)
+            clip_globally(self.precision_plugin, self.grid)
+            agree_on_overflow(self.precision_plugin)
 
         def _holds_state(self, optimizer):
             zero = self._zero.get(id(optimizer))

@@ -1,0 +1,87 @@
+"""The strategy's numerical pieces, without a Lightning run: global gradient norm and clipping, agreed fp16 overflow.
+
+8-rank gloo pool (shared with the other harness tests). Gradients are drawn whole from one seed on
+every rank and each rank keeps its shard, so the dense reference is the same tensors, unsharded.
+"""
+
+import math
+
+import harness
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_3d import (
+    LayerNorm3D,
+    Linear3D,
+    VocabParallelEmbedding3D,
+    split_activation,
+)
+from lightning_3d.grad_norm import clip_grad_norm_, grad_norm
+from lightning_3d.sharding import get_spec
+from lightning_3d.strategy.precision import agreed_scaler
+from lightning_3d.strategy.zero import partition
+
+
+def _model_with_grads(grid):
+    """3-D layers of every kind plus a plain (replicated) parameter; returns (params, full gradients)."""
+    layers = nn.ModuleList([VocabParallelEmbedding3D(16, 8, grid=grid), LayerNorm3D(8, grid=grid),
+                            Linear3D(8, 12, grid=grid), Linear3D(12, 8, input_layout="y", grid=grid)])
+    params = [*layers.parameters(), nn.Parameter(torch.zeros(3))]
+    torch.manual_seed(3)
+    full = [torch.randn(get_spec(p).global_shape if get_spec(p) else p.shape) * (i + 1) for i, p in enumerate(params)]
+    for p, g in zip(params, full):
+        p.grad = g[get_spec(p).local_slices(grid)].clone() if get_spec(p) else g.clone()
+    return params, full
+
+
+def norm_job(shape, dp):
+    grid = harness.grid(shape, dp)
+    params, full = _model_with_grads(grid)
+    out = {}
+    for p in (1.0, 2.0, 3.0, math.inf):
+        ref = torch.linalg.vector_norm(torch.cat([g.flatten() for g in full]), p)
+        out[f"norm{p}"] = float(grad_norm(params, grid, p)) / float(ref)
+    owner = partition(params, grid.data_parallel_size)  # ZeRO: each dp rank passes its share, summed over the world
+    mine = [p for p in params if owner[id(p)] == grid.coord("dp")]
+    out["partitioned"] = float(grad_norm(mine, grid, 2.0, group=dist.group.WORLD)) / float(torch.cat([g.flatten() for g in full]).norm())
+    total = clip_grad_norm_(params, 0.5, grid)
+    dense = [nn.Parameter(torch.zeros_like(g)) for g in full]
+    for d, g in zip(dense, full):
+        d.grad = g.clone()
+    ref_total = torch.nn.utils.clip_grad_norm_(dense, 0.5)
+    clipped = [d.grad for d in dense]
+    out["clip_total"] = float(total) / float(ref_total)
+    out["clipped"] = max(float((p.grad - (c[get_spec(p).local_slices(grid)] if get_spec(p) else c)).abs().max()) for p, c in zip(params, clipped))
+    return out
+
+
+@pytest.mark.parametrize("shape, dp", [((2, 2, 2), 1), ((2, 2, 1), 2), ((1, 2, 2), 2)])
+def test_global_norm_counts_each_shard_once(shape, dp):
+    for rank, r in enumerate(harness.run(8, norm_job, shape, dp)):
+        bad = {k: v for k, v in r.items() if (abs(v - 1) > 1e-6 if k != "clipped" else v > 1e-6)}
+        assert not bad, f"rank {rank} on {shape} dp {dp}: {bad}"
+
+
+def overflow_job(agreed: bool):
+    grid = harness.grid((2, 2, 2))
+    torch.manual_seed(0)
+    layer = Linear3D(8, 8, grid=grid)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler = agreed_scaler(scaler) if agreed else scaler
+    x = split_activation(torch.randn(4, 8), "z", grid)
+    scaler.scale(layer(x).sum()).backward()
+    if dist.get_rank() == 5:  # one shard overflows
+        layer.weight.grad.view(-1)[0] = math.inf
+    before = layer.weight.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    return torch.equal(before, layer.weight.detach()), scaler.get_scale()
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank():
+    assert all(r == (True, 2.0) for r in harness.run(8, overflow_job, True)), "an overflow on one rank must skip the step everywhere"
+    unagreed = harness.run(8, overflow_job, False)
+    assert unagreed[5][0] and not any(r[0] for i, r in enumerate(unagreed) if i != 5), "control: a plain scaler lets ranks disagree"
