@@ -112,3 +112,15 @@ def check_batch_size(config: dict[str, Any], grid: Grid) -> None:
             f"train_batch_size {total} is not a multiple of {known + ' × ' if known else ''}{dp_note}, "
             f"so no whole number of micro-batches fills it; make train_batch_size a multiple of {per_step}"
         )
+
+
+def keep_torch_linear(config: dict[str, Any]) -> None:
+    """ZeRO-3: default ``"memory_efficient_linear"`` to false.
+
+    With it on, DeepSpeed replaces ``torch.nn.functional.linear`` process-wide, for good, when the
+    engine is made. The 3-D layers never call it (their products are ``lightning_3d.ops``), so
+    the replacement would only change other code in the process. An explicit setting is kept.
+    """
+    zero = config.get("zero_optimization")
+    if isinstance(zero, dict) and zero.get("stage") == 3:
+        zero.setdefault("memory_efficient_linear", False)

@@ -9,7 +9,13 @@ from typing import Any
 import deepspeed
 from torch import nn
 
-from .config import SECTION, check_batch_size, init_grid_from_config, load_config
+from .config import (
+    SECTION,
+    check_batch_size,
+    init_grid_from_config,
+    keep_torch_linear,
+    load_config,
+)
 from .grad_norm_tags import tag_grad_norm_params
 from .layout import LAYOUT_KEY, check_same_grid, model_layout
 from .mpu import GridMPU
@@ -27,14 +33,16 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
 
     ZeRO partitions and gradient averaging run over the data-parallel group; parameters are
     tagged for DeepSpeed's gradient norm (:mod:`deepspeed_3d.grad_norm_tags`); checkpoints carry
-    the grid layout (:mod:`deepspeed_3d.layout`).
+    the grid layout (:mod:`deepspeed_3d.layout`); ZeRO-3 leaves ``torch.nn.functional.linear``
+    alone unless the config asks otherwise (:func:`~deepspeed_3d.config.keep_torch_linear`).
 
     Returns:
         What ``deepspeed.initialize`` returns: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     Raises:
         ValueError: ``mpu`` passed, the section disagrees with the grid, the batch sizes do not
-            satisfy ``train_batch_size = micro × accumulation × dp``, or mixed precision without ZeRO.
+            satisfy ``train_batch_size = micro × accumulation × dp``, or training in mixed precision
+            without ZeRO.
     """
     if "mpu" in kwargs:
         raise ValueError("deepspeed_3d.initialize builds the mpu from the grid; do not pass mpu=")
@@ -42,7 +50,9 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     grid = init_grid_from_config(config)
     config.pop(SECTION, None)
     check_batch_size(config, grid)
-    check_precision(config, grid)
+    if "optimizer" in config or kwargs.get("optimizer") is not None:  # the gradient norm matters only when training
+        check_precision(config, grid)
+    keep_torch_linear(config)
     tag_grad_norm_params(model, grid)
     engine, optimizer, dataloader, scheduler = deepspeed.initialize(model=model, config=config, mpu=GridMPU(grid), **kwargs)
     engine.__class__ = _grid_engine_class(type(engine))

@@ -1,4 +1,5 @@
-"""``"tensor3d_deepspeed"`` under Lightning on CPU: fit 1 epoch of 2 steps, checkpoint, resume to 2 epochs.
+"""``"tensor3d_deepspeed"`` under Lightning on CPU: fit 1 epoch of 2 steps, checkpoint, resume to 2 epochs,
+then validate the checkpoint in a fresh Trainer (DeepSpeed's inference engine).
 
 The first fit passes the strategy object; the resumed one names it (``strategy="tensor3d_deepspeed"``)
 and gives the config through ``PL_DEEPSPEED_CONFIG_PATH``.
@@ -48,6 +49,10 @@ class Module(L.LightningModule):
         self.log("loss", loss, sync_dist=True)
         return loss
 
+    def validation_step(self, batch, _):
+        x, target = batch
+        self.log("val_loss", F.mse_loss(self.model(x), target), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
@@ -67,13 +72,17 @@ def micro_batches(step: int) -> list[list[int]]:
     return [list(sampler)[k * B:(k + 1) * B] for sampler in samplers]
 
 
-def dense_replica_losses(dp_rank: int) -> list[float]:
-    """The dense model trained on the global batches; the loss of this replica's micro-batch at each step."""
+def dense_reference(dp_rank: int) -> tuple[list[float], float]:
+    """The dense model trained on the global batches: the loss of this replica's micro-batch at each
+    step, and the loss over the whole dataset at the checkpoint (after RESUME_AT steps)."""
     x, target = dataset().tensors
     dense = dense_model(seed=0)
     opt = torch.optim.AdamW(dense.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     losses = []
     for t in range(STEPS):
+        if t == RESUME_AT:
+            with torch.no_grad():
+                val_loss = float(F.mse_loss(dense(x), target))
         replicas = micro_batches(t)
         rows = [i for micro in replicas for i in micro]
         opt.zero_grad()
@@ -82,7 +91,7 @@ def dense_replica_losses(dp_rank: int) -> list[float]:
         losses.append(float(F.mse_loss(dense(x[mine]), target[mine])))
         torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP)
         opt.step()
-    return losses
+    return losses, val_loss
 
 
 CONFIG = {"zero_optimization": {"stage": 2}, "gradient_clipping": CLIP, "tensor3d": {"grid": list(SHAPE)}}
@@ -111,12 +120,16 @@ def main(tmp: Path) -> None:
     second = Module(seed=5)  # other weights: the checkpoint must overwrite them
     t2 = trainer(STEPS // RESUME_AT, tmp, by_name=True)
     t2.fit(second, loader, ckpt_path=ckpt)
+    t3 = trainer(1, tmp, by_name=False)
+    val_loss = t3.validate(Module(seed=9), loader, ckpt_path=ckpt, verbose=False)[0]["val_loss"]
     grid = t2.strategy.grid
     losses = first.losses + second.losses
-    expected = dense_replica_losses(grid.coord("dp"))
+    expected, expected_val = dense_reference(grid.coord("dp"))
     err = max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) if len(losses) == STEPS else float("inf")
+    err = max(err, abs(val_loss - expected_val) / expected_val)
     rank = t2.global_rank
-    (tmp / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "expected": expected, "err": err}))
+    report = {"losses": losses, "expected": expected, "val_loss": val_loss, "expected_val": expected_val, "err": err}
+    (tmp / f"rank{rank}.json").write_text(json.dumps(report))
     t2.strategy.barrier()
     if rank == 0:
         reports = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(t2.world_size)]
