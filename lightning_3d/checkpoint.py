@@ -132,10 +132,10 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str], gri
 
 
 def rng_state() -> dict:
-    """This process's Python, torch (CPU and CUDA) and NumPy RNG states."""
+    """This process's Python, torch (CPU and its current CUDA device) and NumPy RNG states."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     try:
         import numpy
     except ImportError:
@@ -149,7 +149,7 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
     if "numpy" in state:
         import numpy
 
