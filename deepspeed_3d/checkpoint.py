@@ -25,40 +25,40 @@ from lightning_3d.grid import Grid
 from .layout import LAYOUT_KEY, layout_specs
 
 
-def _tag_dir(checkpoint_dir: Path, tag: str | None) -> Path:
+def tag_dir(checkpoint_dir: str | Path, tag: str | None = None) -> Path:
+    """The directory of checkpoint ``tag`` (default: the one named in ``checkpoint_dir/latest``)."""
+    checkpoint_dir = Path(checkpoint_dir)
     if tag is None:
         latest = checkpoint_dir / "latest"
         if not latest.is_file():
             raise ValueError(f"{checkpoint_dir} has no 'latest' file; pass the checkpoint tag (a subdirectory name)")
         tag = latest.read_text().strip()
-    path = checkpoint_dir / tag
+    path = checkpoint_dir / str(tag)
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory: {checkpoint_dir} holds no checkpoint tagged {tag!r}")
     return path
 
 
-def read_layout(tag_dir: Path) -> dict:
-    """The grid layout saved in a checkpoint (from cube rank 0's model-states file)."""
-    files = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))
+def read_layout(path: Path) -> dict | None:
+    """The grid layout saved in checkpoint directory ``path`` (a tag's), or None when it has none."""
+    files = sorted(path.glob("*mp_rank_00_model_states.pt"))
     if not files:
-        raise ValueError(f"{tag_dir} holds no DeepSpeed model-states file (*mp_rank_00_model_states.pt)")
-    state = torch.load(files[0], map_location="cpu", weights_only=False)
-    if LAYOUT_KEY not in state:
-        raise ValueError(f"{files[0]} carries no {LAYOUT_KEY!r}: it was not saved by an engine of deepspeed_3d.initialize")
-    return state[LAYOUT_KEY]
+        raise ValueError(f"{path} holds no DeepSpeed model-states file (*mp_rank_00_model_states.pt)")
+    return torch.load(files[0], map_location="cpu", mmap=True, weights_only=False).get(LAYOUT_KEY)
 
 
-def rank_state_dict(tag_dir: Path, mp_rank: int) -> dict[str, torch.Tensor]:
-    """Cube rank ``mp_rank``'s local state dict, full precision (ZeRO's fp32 master weights when present)."""
-    files = sorted(tag_dir.glob(f"*mp_rank_{mp_rank:02d}_*.pt"))
+def rank_state_dict(path: Path, mp_rank: int) -> dict[str, torch.Tensor]:
+    """Cube rank ``mp_rank``'s local state dict in checkpoint directory ``path`` (a tag's), full
+    precision (ZeRO's fp32 master weights when present)."""
+    files = sorted(path.glob(f"*mp_rank_{mp_rank:02d}_*.pt"))
     if not any(f.name.endswith("_optim_states.pt") for f in files):
-        return torch.load(tag_dir / f"mp_rank_{mp_rank:02d}_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        return torch.load(path / f"mp_rank_{mp_rank:02d}_model_states.pt", map_location="cpu", weights_only=False)["module"]
     with tempfile.TemporaryDirectory() as tmp:  # DeepSpeed's reader globs a directory: show it this rank's files only
-        view = Path(tmp) / tag_dir.name
+        view = Path(tmp) / path.name
         view.mkdir()
         for f in files:
             (view / f.name).symlink_to(f.resolve())
-        return dict(get_fp32_state_dict_from_zero_checkpoint(tmp, tag_dir.name))
+        return dict(get_fp32_state_dict_from_zero_checkpoint(tmp, path.name))
 
 
 def _offline_grid(layout: dict) -> Grid:
@@ -75,11 +75,13 @@ def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str = "
         prefix: keep the keys that start with it and drop it (``"model."`` for a LightningModule
             whose 3-D model is ``self.model``); ``""`` keeps every key.
     """
-    tag_dir = _tag_dir(Path(checkpoint_dir), tag)
-    layout = read_layout(tag_dir)
+    path = tag_dir(checkpoint_dir, tag)
+    layout = read_layout(path)
+    if layout is None:
+        raise ValueError(f"{path} carries no {LAYOUT_KEY!r}: it was not saved by an engine of deepspeed_3d.initialize")
     grid = _offline_grid(layout)
     specs, dense_shapes = layout_specs(layout), layout["dense_shapes"]
-    shards = [rank_state_dict(tag_dir, r) for r in range(grid.cube_size)]
+    shards = [rank_state_dict(path, r) for r in range(grid.cube_size)]
     out = {}
     for key, value in shards[0].items():
         if not key.startswith(prefix):
@@ -92,7 +94,7 @@ def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str = "
                 full[spec.local_slices(grid, grid.cube_coords(r))] = shard[key]
         out[key[len(prefix):]] = _global_to_dense(full, dense_shapes[key]) if key in dense_shapes else full
     if not out:
-        raise ValueError(f"{tag_dir} holds no model tensors under the prefix {prefix!r}")
+        raise ValueError(f"{path} holds no model tensors under the prefix {prefix!r}")
     return out
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from typing import Any
 
 import deepspeed
 from torch import nn
 
+from .checkpoint import read_layout, tag_dir
 from .config import (
     SECTION,
     check_batch_size,
@@ -70,9 +72,13 @@ class _GridEngine:
         return super().save_checkpoint(save_dir, tag, client_state, *args, **kwargs)
 
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        if tag is not None or (Path(load_dir) / "latest").is_file():  # else DeepSpeed finds nothing to load
+            saved = read_layout(tag_dir(load_dir, tag))
+            if saved is not None:  # before DeepSpeed reads shards of another grid into this one's
+                check_same_grid(saved, self.tensor3d_layout)
         path, client_state = super().load_checkpoint(load_dir, tag, *args, **kwargs)
-        if client_state is not None and LAYOUT_KEY in client_state:
-            check_same_grid(client_state.pop(LAYOUT_KEY), self.tensor3d_layout)
+        if client_state is not None:
+            client_state.pop(LAYOUT_KEY, None)
         return path, client_state
 
 

@@ -4,6 +4,11 @@
 "dims": [[axes of dim 0], ...]}}}`` names, for every sharded parameter (under every name the
 module's state dict uses for it), the :class:`~lightning_3d.sharding.ShardSpec` that places it on
 the grid. Parameters without a spec are replicated over the cube and are not listed.
+``"dense_shapes"`` holds the shapes that modules declare for dense export
+(:func:`lightning_3d.checkpoint.dense_shapes`: padded vocabularies, fused weights).
+
+Engines made by :func:`deepspeed_3d.initialize` save it in every checkpoint (client-state key
+``"tensor3d_layout"``), so a checkpoint converts to a dense state dict without the model.
 """
 
 from __future__ import annotations

@@ -264,6 +264,20 @@ def bf16_job(shape, stages):
     return out
 
 
+def other_grid_job(shape, ckpt):
+    """Loading a checkpoint of another grid: the error, before DeepSpeed reads mismatched shards."""
+    import deepspeed_3d
+
+    _local_rank_env()
+    grid = harness.grid(shape)
+    engine, *_ = deepspeed_3d.initialize(model=model_3d(dense_model(0), grid), config=ds_config(shape, 1, grid.data_parallel_size))
+    try:
+        engine.load_checkpoint(ckpt)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def errors_job(shape, ckpt_root):
     """What initialize refuses, with the numbers in the message."""
     import deepspeed_3d
@@ -323,6 +337,8 @@ def test_zero_stages_1x1x2_dp2(tmp_path):
 def test_zero_stages_2x2x1_dp2(tmp_path):
     stages = (1, 2, 3)
     _check_training(harness.run(8, training_job, (2, 2, 1), stages, str(tmp_path)), stages)
+    for message in harness.run(8, other_grid_job, (1, 2, 2), str(tmp_path / "2x2x1_zero1")):
+        assert message is not None and "saved on a 2×2×1 grid but this run uses 1×2×2" in message, message
     out = tmp_path / "dense.pt"  # the command line converts the same checkpoint
     cmd = [sys.executable, "-m", "deepspeed_3d.checkpoint", "to-dense", str(tmp_path / "2x2x1_zero3"), str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
