@@ -204,6 +204,17 @@ def test_sync_dist_and_collectives_count_each_replica_once(runs):
             assert r["reduce_sum"] == dp and r["all_gather"] == [[float(d)] for d in range(dp)], (name, r)
 
 
+def test_validate_after_fit_keeps_every_shard(runs):
+    recs = [json.loads(f.read_text()) for f in sorted(runs.glob("validate.rank*.json"))]
+    assert len(recs) == 4 and all(r["kept_shards"] for r in recs), "validate changed a rank's parameters"
+    model = DenseGPT(common.config())
+    model.load_state_dict(common.dense_reference(6)["state"])
+    tokens = common.Tokens().data
+    with torch.no_grad():
+        want = model(tokens[:, :-1], tokens[:, 1:]).item()
+    assert_close([r["val_loss"] for r in recs], [want] * 4, "validation loss after fit (2×1×1 dp 2)")
+
+
 def test_dense_export_loads_into_densegpt(runs, dense, tmp_path):
     out = tmp_path / "dense.pt"
     ckpt.main(["to-dense", str(runs / "B" / "epoch=1.ckpt"), str(out), "--prefix", "model."])

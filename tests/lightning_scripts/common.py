@@ -84,6 +84,10 @@ def module_class(namespace: str):
                 self.record["reduce_sum"] = self.trainer.strategy.reduce(torch.tensor(1.0), reduce_op="sum").item()
             return loss
 
+        def validation_step(self, batch, batch_idx):
+            _, tokens = batch
+            self.log("val_loss", self.model(tokens[:, :-1], tokens[:, 1:]), sync_dist=True)
+
         def on_train_batch_end(self, outputs, batch, batch_idx):
             self.record["seqs"].append(float(self.trainer.callback_metrics["seqs"]))
 
@@ -117,6 +121,15 @@ def fit(namespace: str, out: Path, name: str, strategy, epochs: int, devices: in
               "worker_seed_rank": getattr(trainer.train_dataloader.worker_init_fn, "keywords", {}).get("rank")}
     (out / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
     return trainer, module
+
+
+def validate_keeps_shards(trainer, module) -> dict:
+    """``trainer.validate`` after fit: every rank keeps its own shards (nothing broadcast over the world)."""
+    before = [p.detach().clone() for p in module.parameters()]
+    loader = DataLoader(Tokens(), batch_size=GLOBAL_BATCH // module.grid.data_parallel_size)
+    val_loss = trainer.validate(module, dataloaders=loader, verbose=False)[0]["val_loss"]
+    kept = all(torch.equal(a, p.detach()) for a, p in zip(before, module.parameters()))
+    return {"kept_shards": kept, "val_loss": val_loss}
 
 
 def dense_reference(steps: int, dropout: float = 0.0) -> dict:
