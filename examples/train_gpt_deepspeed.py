@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import warnings
 from pathlib import Path
 
@@ -75,7 +74,7 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices, strategy=strategy,
         precision=args.precision, max_steps=args.max_steps, limit_train_batches=args.steps_per_epoch,
-        max_epochs=math.ceil(args.max_steps / args.steps_per_epoch), num_sanity_val_steps=-1, log_every_n_steps=5,
+        max_epochs=-1, num_sanity_val_steps=-1, log_every_n_steps=5,  # max_steps alone ends a run; clipping is in the config
         logger=CSVLogger(out, name="logs"),
         callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
                    TokensPerSecond(args.batch_size * args.seq_len)],
@@ -84,7 +83,7 @@ def main() -> None:
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
     trainer.fit(model, datamodule=data, ckpt_path=newest_checkpoint(out / "checkpoints") if args.resume else None)
     if trainer.is_global_zero:
-        start = f"untrained {model.untrained_val_loss:.3f}" if model.untrained_val_loss is not None else "start"
+        start = f"untrained {model.untrained_val_loss:.3f}" if model.untrained_val_loss is not None else "(resumed)"
         print(f"\nvalidation loss: {start} -> " + " -> ".join(f"{v:.3f}" for v in model.val_losses))
         print(f"checkpoint: {trainer.checkpoint_callback.best_model_path or newest_checkpoint(out / 'checkpoints')}")
 
