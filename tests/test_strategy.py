@@ -137,6 +137,20 @@ def test_grid_rules_and_errors():
             Tensor3DStrategy(**bad)
 
 
+@pytest.mark.parametrize("first", ["from lightning_3d import Tensor3DStrategy", "import lightning_3d"])
+def test_registration_in_either_import_order(first):
+    """Whatever comes first, both namespaces end up whole and with "tensor3d" registered."""
+    code = (
+        f"{first}\n"
+        "import lightning.pytorch as pl, pytorch_lightning as ptl\n"
+        "from lightning.pytorch.strategies import StrategyRegistry as A\n"
+        "from pytorch_lightning.strategies import StrategyRegistry as B\n"
+        "assert 'tensor3d' in A and 'tensor3d' in B\n"
+        "assert all(hasattr(m, n) for m in (pl, ptl) for n in ('loggers', 'callbacks', 'Trainer'))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
+
+
 # ----- the worlds -----
 
 

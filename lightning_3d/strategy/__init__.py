@@ -45,7 +45,8 @@ class _ThenRegister(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
-        register(self._namespace)
+        if f"{__name__}.{NAMESPACES[self._namespace]}" not in sys.modules:  # else that import, under way, registers
+            register(self._namespace)
 
     def __getattr__(self, name):  # everything else (get_data, is_package, resource readers) as the real loader
         return getattr(self._loader, name)
