@@ -6,9 +6,9 @@
 - :func:`init_grid_from_config`: the grid of a config, to build the model on before ``initialize``.
 - :func:`tag_grad_norm_params`: the parameter tags that make DeepSpeed's gradient norm exact.
 - :func:`to_dense` / ``python -m deepspeed_3d.checkpoint to-dense``: a checkpoint's dense state dict.
-- ``"tensor3d_deepspeed"``: the Lightning strategy (:mod:`deepspeed_3d.strategy`), registered on
-  import; ``Tensor3DDeepSpeedStrategy`` is the class of ``lightning.pytorch`` when installed, else
-  of ``pytorch_lightning``.
+- ``"tensor3d_deepspeed"``: the Lightning strategy (:mod:`deepspeed_3d.strategy`), registered
+  when Lightning is imported; ``Tensor3DDeepSpeedStrategy`` is the class of ``lightning.pytorch``
+  when installed, else of ``pytorch_lightning``.
 
 This is the only package of the project that imports DeepSpeed.
 """
@@ -18,10 +18,17 @@ from .config import check_batch_size, init_grid_from_config, load_config
 from .engine import initialize
 from .grad_norm_tags import tag_grad_norm_params
 from .mpu import GridMPU
-from .strategy import register_installed as _register_installed
+from .strategy import register_on_import as _register_on_import
 
-_strategies = _register_installed()
-if _strategies:
-    Tensor3DDeepSpeedStrategy = _strategies[0]
+_register_on_import()
+
+
+def __getattr__(name: str):
+    """``Tensor3DDeepSpeedStrategy`` on first use (it imports Lightning)."""
+    if name == "Tensor3DDeepSpeedStrategy":
+        from .strategy import strategy_class
+
+        return strategy_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["GridMPU", "Tensor3DDeepSpeedStrategy", "check_batch_size", "init_grid_from_config", "initialize", "load_config", "tag_grad_norm_params", "to_dense"]

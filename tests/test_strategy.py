@@ -137,18 +137,20 @@ def test_grid_rules_and_errors():
             Tensor3DStrategy(**bad)
 
 
-@pytest.mark.parametrize("first", ["from lightning_3d import Tensor3DStrategy", "import lightning_3d"])
+@pytest.mark.parametrize("first", ["from lightning_3d import Tensor3DStrategy", "import deepspeed_3d, lightning_3d"])
 def test_registration_in_either_import_order(first):
-    """Whatever comes first, both namespaces end up whole and with "tensor3d" registered."""
+    """Whatever comes first, both namespaces end up whole, with both strategies registered."""
     code = (
         f"{first}\n"
-        "import lightning.pytorch as pl, pytorch_lightning as ptl\n"
+        "import deepspeed_3d, sys\n"
+        "assert 'Tensor3DStrategy' in sys.argv[-1] or not {'lightning', 'pytorch_lightning'} & set(sys.modules)\n"
+        "import pytorch_lightning as ptl, lightning.pytorch as pl\n"
         "from lightning.pytorch.strategies import StrategyRegistry as A\n"
         "from pytorch_lightning.strategies import StrategyRegistry as B\n"
-        "assert 'tensor3d' in A and 'tensor3d' in B\n"
+        "assert all(name in reg for name in ('tensor3d', 'tensor3d_deepspeed') for reg in (A, B))\n"
         "assert all(hasattr(m, n) for m in (pl, ptl) for n in ('loggers', 'callbacks', 'Trainer'))\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=180)
+    subprocess.run([sys.executable, "-c", code, first], check=True, timeout=180)
 
 
 # ----- the worlds -----

@@ -3,29 +3,37 @@
 ``lightning.pytorch`` and ``pytorch_lightning`` have distinct base classes and registries, so each
 gets its own class from one definition (:func:`~deepspeed_3d.strategy.factory.define_strategy`):
 ``deepspeed_3d.strategy.lightning.Tensor3DDeepSpeedStrategy`` and
-``deepspeed_3d.strategy.pytorch_lightning.Tensor3DDeepSpeedStrategy``. :func:`register_installed`
-(run by ``import deepspeed_3d``) defines and registers the class of every installed namespace.
+``deepspeed_3d.strategy.pytorch_lightning.Tensor3DDeepSpeedStrategy``. :func:`register_on_import`
+(run by ``import deepspeed_3d``) registers ``"tensor3d_deepspeed"`` in each namespace when that
+namespace is imported (at once if it already is), without importing Lightning itself.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
+
+from lightning_3d.strategy.registration import installed, register_when_imported
 
 # Lightning namespace → the submodule of this package that defines (and registers) its class.
 NAMESPACES = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch_lightning"}
 
 
-def _installed(namespace: str) -> bool:
-    return importlib.util.find_spec(namespace.split(".")[0]) is not None
+def register(namespace: str) -> type:
+    """Define (once) and register the strategy class of ``namespace``; returns it."""
+    return importlib.import_module(f"{__name__}.{NAMESPACES[namespace]}").Tensor3DDeepSpeedStrategy
 
 
-def register_installed() -> list[type]:
-    """Define and register ``"tensor3d_deepspeed"`` in every installed Lightning namespace; returns the classes.
-
-    The first is ``lightning.pytorch``'s when installed, else ``pytorch_lightning``'s.
-    """
-    return [importlib.import_module(f"{__name__}.{sub}").Tensor3DDeepSpeedStrategy for ns, sub in NAMESPACES.items() if _installed(ns)]
+def register_on_import() -> None:
+    """Register ``"tensor3d_deepspeed"`` in every installed Lightning namespace, now or when it gets imported."""
+    register_when_imported({ns: f"{__name__}.{sub}" for ns, sub in NAMESPACES.items()})
 
 
-__all__ = ["NAMESPACES", "register_installed"]
+def strategy_class() -> type:
+    """``lightning.pytorch``'s class when installed, else ``pytorch_lightning``'s."""
+    for namespace in NAMESPACES:
+        if installed(namespace):
+            return register(namespace)
+    raise ImportError("Tensor3DDeepSpeedStrategy needs Lightning: pip install lightning (or pytorch-lightning)")
+
+
+__all__ = ["NAMESPACES", "register", "register_on_import", "strategy_class"]
