@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-import lightning_3d  # registers "tensor3d" once Lightning is imported
+import lightning_3d  # noqa: F401  (registers "tensor3d" with Lightning)
 from lightning_3d import CrossEntropyLoss3D, LayerNorm3D, Linear3D, VocabParallelEmbedding3D
 
 

@@ -119,6 +119,16 @@ def test_auto_grid_factors_evenly(n, shape):
     assert grid_rules.resolve("auto", "auto", n, n) == (shape, 1)
 
 
+def test_auto_grid_from_the_cost_model():
+    """With the model's shape, "auto" takes the planner's pick: the grids measured fastest on 4 GPUs."""
+    from lightning_3d.planner import ModelShape
+
+    assert grid_rules.resolve("auto", "auto", 4, 4, ModelShape(4096, 32, 2048, 8, 4)) == ((4, 1, 1), 1)
+    assert grid_rules.resolve("auto", "auto", 4, 4, ModelShape(8192, 64, 2048, 4, 2)) == ((1, 4, 1), 1)
+    with pytest.raises(ValueError, match="no px·py·pz grid"):
+        grid_rules.resolve("auto", "auto", 4, 4, ModelShape(4096, 32, 2048, 3, 4))
+
+
 def test_grid_rules_and_errors():
     assert grid_rules.resolve("auto", "auto", 16, 8) == ((2, 2, 2), 2)  # two nodes of 8: dp across nodes
     assert grid_rules.resolve("auto", 2, 8, 8) == ((2, 2, 1), 2)
@@ -161,7 +171,8 @@ def test_selected_by_name_in_both_namespaces(runs):
     assert a["strategy"] == "lightning_3d.strategy.lightning.Tensor3DStrategy" and a["grid"] == [2, 2, 2] and a["dp"] == 1
     assert e["strategy"] == "lightning_3d.strategy.pytorch_lightning.Tensor3DStrategy" and e["grid"] == [1, 1, 1]
     cli = json.loads((runs / "cli.json").read_text())
-    assert cli["by_name"] == cli["by_path"] == "Tensor3DStrategy" and cli["by_name_base"] == "pytorch_lightning.strategies.ddp"
+    assert cli["by_name"] == cli["by_path"] == "Tensor3DStrategy" and "pytorch_lightning.strategies.ddp" in cli["by_name_bases"]
+    assert not any(m.startswith("lightning.") for m in cli["by_name_bases"])  # the other namespace's class stays apart
     assert cli["by_path_args"] == [[1, 1, 1], 1, 45.0]
 
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-from typing import Any
 
 import torch
 
 from lightning_3d.grid import Grid, set_grid
 from lightning_3d.strategy import grid_rules
+from lightning_3d.strategy.factory import FABRIC
+from lightning_3d.strategy.replicas import replicas_mixin
 
 from ..config import SECTION, current_grid, grid_shape, init_grid_from_config
 from ..engine import initialize
@@ -34,11 +35,10 @@ def define_strategy(namespace: str, module_name: str) -> type:
     """``Tensor3DDeepSpeedStrategy`` for ``namespace`` (``"lightning.pytorch"`` or ``"pytorch_lightning"``)."""
     strategies = importlib.import_module(f"{namespace}.strategies")
     DeepSpeedStrategy, StrategyRegistry = strategies.DeepSpeedStrategy, strategies.StrategyRegistry
-    fabric = "lightning.fabric" if namespace == "lightning.pytorch" else "lightning_fabric"
-    distributed = importlib.import_module(f"{fabric}.utilities.distributed")
+    fabric = FABRIC[namespace]
     reset_seed = importlib.import_module(f"{fabric}.utilities.seed").reset_seed
 
-    class Tensor3DDeepSpeedStrategy(DeepSpeedStrategy):
+    class Tensor3DDeepSpeedStrategy(replicas_mixin(fabric), DeepSpeedStrategy):
         """DeepSpeed (ZeRO over dp) with 3-D tensor parallelism inside each replica.
 
         Takes every argument of Lightning's ``DeepSpeedStrategy``; the DeepSpeed config (dict or
@@ -64,13 +64,6 @@ def define_strategy(namespace: str, module_name: str) -> type:
                     raise ValueError(f'grid={tuple(grid)} disagrees with the config\'s "{SECTION}": {self.config[SECTION]}; give one of them')
                 self.config[SECTION] = {"grid": list(shape)}
             self._grid: Grid | None = None
-
-        @property
-        def grid(self) -> Grid:
-            """The process grid (exists once the processes are set up, before ``configure_model``)."""
-            if self._grid is None:
-                raise RuntimeError("Tensor3DDeepSpeedStrategy.grid exists once Trainer.fit/validate/test/predict has set up the processes")
-            return self._grid
 
         def setup_environment(self) -> None:
             """Processes and DeepSpeed's process group (on any accelerator, CPU included), then the grid."""
@@ -117,20 +110,6 @@ def define_strategy(namespace: str, module_name: str) -> type:
             importlib.import_module(f"{namespace}.strategies.deepspeed").remove_module_hooks(model)
             self.model, _, _, _ = initialize(args=self._device_args(), config=config,
                                              model=model, model_parameters=[], dist_init_required=False)
-
-        @property
-        def distributed_sampler_kwargs(self) -> dict[str, Any]:
-            return {"num_replicas": self.grid.data_parallel_size, "rank": self.grid.coord("dp")}
-
-        def reduce(self, tensor, group: Any | None = None, reduce_op="mean"):
-            """Reduce over the dp group by default: a value logged on a cube rank stands for its whole replica."""
-            if not isinstance(tensor, torch.Tensor):
-                return tensor
-            return distributed._sync_ddp_if_available(tensor, group if group is not None else self.grid.group("dp"), reduce_op=reduce_op)
-
-        def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-            """Gather over the dp group by default: ``[dp, ...]``, one entry per replica."""
-            return distributed._all_gather_ddp_if_available(tensor, group=group if group is not None else self.grid.group("dp"), sync_grads=sync_grads)
 
         @classmethod
         def register_strategies(cls, strategy_registry) -> None:

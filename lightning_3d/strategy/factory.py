@@ -30,8 +30,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint as ckpt
 from ..grid import Grid, init_grid, set_grid
+from ..planner import ModelShape
 from . import grid_rules
 from .precision import agree_on_overflow, clip_globally
+from .replicas import replicas_mixin
 from .zero import ShardedOptimizerState
 
 FABRIC = {"lightning.pytorch": "lightning.fabric", "pytorch_lightning": "lightning_fabric"}
@@ -70,7 +72,7 @@ def define_strategy(namespace: str, module_name: str) -> type:
     pl_worker_init_function = importlib.import_module(f"{fabric}.utilities.seed").pl_worker_init_function
     optimizers_to_device = importlib.import_module(f"{fabric}.utilities.optimizer")._optimizers_to_device
 
-    class Tensor3DStrategy(DDPStrategy):
+    class Tensor3DStrategy(replicas_mixin(fabric), DDPStrategy):
         """3-D tensor parallelism (Bian et al. 2021) on a ``dp × px × py × pz`` grid of processes.
 
         The LightningModule builds its 3-D layers (``Linear3D``, ...) in ``configure_model()``;
@@ -81,12 +83,15 @@ def define_strategy(namespace: str, module_name: str) -> type:
         Args:
             grid: ``(px, py, pz)``, or ``"auto"``: the devices of one node (``world / dp`` when
                 ``data_parallel_size`` is given) factored as evenly as possible, px ≥ py ≥ pz
-                (8 → 2×2×2, 4 → 2×2×1, 2 → 2×1×1).
+                (8 → 2×2×2, 4 → 2×2×1, 2 → 2×1×1); with ``model_shape`` (and dp ``"auto"``),
+                the grid and dp the cost model predicts fastest (:mod:`lightning_3d.planner`).
             data_parallel_size: model replicas, or ``"auto"``: the rest of the world.
             zero_stage: 0, or 1 to shard optimizer state over the dp group (ZeRO-1).
             process_group_backend: ``"nccl"`` / ``"gloo"``; default from the device.
             timeout: collective timeout (timedelta or seconds): how long a rank waits for a dead
                 or stalled peer before the run fails.
+            model_shape: ``planner.ModelShape(hidden, heads, seq, batch, layers)`` of the model
+                and global batch, for ``grid="auto"``.
 
         Raises:
             ValueError: a bad ``grid``, ``data_parallel_size``, ``zero_stage`` or ``timeout``; at
@@ -100,6 +105,7 @@ def define_strategy(namespace: str, module_name: str) -> type:
             zero_stage: int = 0,
             process_group_backend: str | None = None,
             timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+            model_shape: ModelShape | None = None,
             accelerator=None,
             parallel_devices: list[torch.device] | None = None,
             cluster_environment=None,
@@ -111,6 +117,7 @@ def define_strategy(namespace: str, module_name: str) -> type:
                              process_group_backend=process_group_backend, timeout=_as_timedelta(timeout), start_method="popen")
             self._grid_arg = grid_rules.check_grid_arg(grid)
             self._dp_arg = grid_rules.check_dp_arg(data_parallel_size)
+            self._model_shape = model_shape
             if zero_stage not in (0, 1):
                 raise ValueError(f"zero_stage must be 0 or 1 (optimizer state sharded over dp), got {zero_stage!r}")
             self.zero_stage = zero_stage
@@ -119,26 +126,15 @@ def define_strategy(namespace: str, module_name: str) -> type:
 
         # ----- the grid -----
 
-        @property
-        def grid(self) -> Grid:
-            """The process grid (exists once the processes are set up, before ``configure_model``)."""
-            if self._grid is None:
-                raise RuntimeError("Tensor3DStrategy.grid exists once Trainer.fit/validate/test/predict has set up the processes")
-            return self._grid
-
         def setup_environment(self) -> None:
             super().setup_environment()
-            shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes)
+            shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape)
             self._grid = _grid(shape, dp, self.root_device.type, self._timeout)
             set_grid(self._grid)
             self.lightning_module.grid = self._grid
             self.lightning_module._device_mesh = self._grid.mesh
             px, py, pz = shape
             rank_zero_info(f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}")
-
-        @property
-        def distributed_sampler_kwargs(self) -> dict[str, Any]:
-            return {"num_replicas": self.grid.data_parallel_size, "rank": self.grid.coord("dp")}
 
         def process_dataloader(self, dataloader: object) -> object:
             """Seed dataloader workers by dp rank, so the cube ranks that share a batch draw alike."""
@@ -186,20 +182,6 @@ def define_strategy(namespace: str, module_name: str) -> type:
             return zero.holds_state if zero is not None else (lambda p: True)
 
         # ----- collectives over dp -----
-
-        def _replicas(self, group):
-            """The dp group in place of the default (None or the world, which LightningModule.all_gather passes)."""
-            return self.grid.group("dp") if group is None or group is dist.group.WORLD else group
-
-        def reduce(self, tensor, group: Any | None = None, reduce_op="mean"):
-            """Reduce over the dp group by default: a value logged on a cube rank stands for its whole replica."""
-            if not isinstance(tensor, torch.Tensor):
-                return tensor
-            return distributed._sync_ddp_if_available(tensor, self._replicas(group), reduce_op=reduce_op)
-
-        def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
-            """Gather over the dp group by default: the result is ``[dp, ...]``, one entry per replica."""
-            return distributed._all_gather_ddp_if_available(tensor, group=self._replicas(group), sync_grads=sync_grads)
 
         def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
             votes = distributed._sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+from .. import planner
 
 
 def auto_shape(n: int) -> tuple[int, int, int]:
@@ -36,16 +39,21 @@ def check_dp_arg(dp) -> str | int:
     return dp
 
 
-def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices_per_node: int) -> tuple[tuple[int, int, int], int]:
+def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices_per_node: int,
+            model_shape: planner.ModelShape | None = None) -> tuple[tuple[int, int, int], int]:
     """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
 
-    ``grid="auto"`` factors the devices of one node (or ``world / dp`` when dp is given);
-    ``data_parallel_size="auto"`` takes the rest of the world.
+    ``grid="auto"`` with dp ``"auto"`` and a ``model_shape`` takes the cost model's fastest grid
+    that fits (:func:`lightning_3d.planner.best_grid`); without a shape it factors the devices of
+    one node (or ``world / dp`` when dp is given). ``data_parallel_size="auto"`` takes the rest.
 
     Raises:
         ValueError: the numbers do not multiply to the world size; the message names the fix.
     """
     if grid == "auto":
+        if dp == "auto" and model_shape is not None:
+            shape = planner.best_grid(**dataclasses.asdict(model_shape), world=world)
+            return shape, world // math.prod(shape)
         if dp == "auto":
             cube = math.gcd(devices_per_node, world)
         elif world % dp:

@@ -66,7 +66,7 @@ def world1(out: Path, resume_from: str) -> None:
         "--trainer.strategy.class_path=lightning_3d.strategy.pytorch_lightning.Tensor3DStrategy",
         "--trainer.strategy.init_args.grid=[1, 1, 1]", "--trainer.strategy.init_args.zero_stage=1",
         "--trainer.strategy.init_args.timeout=45"]).trainer.strategy
-    cli = {"by_name": type(by_name).__qualname__, "by_name_base": type(by_name).__mro__[1].__module__,
+    cli = {"by_name": type(by_name).__qualname__, "by_name_bases": [c.__module__ for c in type(by_name).__mro__],
            "by_path": type(by_path).__qualname__, "by_path_args": [list(by_path._grid_arg), by_path.zero_stage, by_path._timeout.total_seconds()]}
     (out / "cli.json").write_text(json.dumps(cli))
     pl.seed_everything(common.SEED)
