@@ -162,15 +162,13 @@ class TokensPerSecond(pl.Callback):
         module.log("tok/s", self.tokens_per_step / (time.perf_counter() - self.start), prog_bar=True, rank_zero_only=True)
 
 
-def parse_args() -> argparse.Namespace:
+def run_parser(description: str, out: str) -> argparse.ArgumentParser:
+    """The options this example shares with train_gpt_deepspeed.py: run, model, data, optimiser."""
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", default="runs/train_gpt", help="logs and checkpoints go here")
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default=out, help="logs and checkpoints go here")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints")
     p.add_argument("--devices", type=int, default=torch.cuda.device_count() if gpu else 8, help="processes (GPUs, or CPU processes)")
-    p.add_argument("--grid", default="auto", help="'auto' or px,py,pz, e.g. 2,2,2")
-    p.add_argument("--data-parallel-size", default="auto", help="'auto' or an int")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1))
     p.add_argument("--precision", default="bf16-mixed" if gpu else "32-true")
     p.add_argument("--max-steps", type=int, default=2000 if gpu else 240)
     p.add_argument("--steps-per-epoch", type=int, default=200 if gpu else 40, help="a checkpoint and a validation after each")
@@ -180,13 +178,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=8 if gpu else 4)
     p.add_argument("--n-embd", type=int, default=512 if gpu else 64)
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=3e-3 if not gpu else 1e-3)
+    p.add_argument("--lr", type=float, default=1e-3 if gpu else 3e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--max-bytes", type=int, default=12_000_000 if gpu else 4_000_000, help="how much of the standard library to read")
     p.add_argument("--val-windows", type=int, default=64)
+    p.add_argument("--seed", type=int, default=1337)
+    return p
+
+
+def parse_args() -> argparse.Namespace:
+    p = run_parser(__doc__.split("\n\n")[0], "runs/train_gpt")
+    p.add_argument("--grid", default="auto", help="'auto' or px,py,pz, e.g. 2,2,2")
+    p.add_argument("--data-parallel-size", default="auto", help="'auto' or an int")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1))
     p.add_argument("--timeout", type=float, default=300, help="seconds a rank waits for a dead or stalled peer")
     p.add_argument("--sample-tokens", type=int, default=300)
-    p.add_argument("--seed", type=int, default=1337)
     return p.parse_args()
 
 

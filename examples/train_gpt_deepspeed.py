@@ -27,6 +27,7 @@ from train_gpt import (
     TokensPerSecond,
     newest_checkpoint,
     pl,
+    run_parser,
 )
 
 from deepspeed_3d import (
@@ -37,27 +38,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def parse_args() -> argparse.Namespace:
-    gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default=str(HERE / "ds_config.json"), help="DeepSpeed config with a \"tensor3d\" section")
+    p = run_parser(__doc__.split("\n\n")[0], "runs/train_gpt_deepspeed")
+    p.add_argument("--config", default=str(HERE / "ds_config.json"), help="DeepSpeed config with a \"tensor3d\" section "
+                   "(mixed precision needs ZeRO >= 1; the config has 1)")
     p.add_argument("--grid", default=None, help="px,py,pz: overrides the config's tensor3d grid")
-    p.add_argument("--out", default="runs/train_gpt_deepspeed", help="logs and checkpoints go here")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints")
-    p.add_argument("--devices", type=int, default=torch.cuda.device_count() if gpu else 8, help="processes (GPUs, or CPU processes)")
-    p.add_argument("--precision", default="bf16-mixed" if gpu else "32-true", help="mixed precision needs ZeRO >= 1 (the config has 1)")
-    p.add_argument("--max-steps", type=int, default=2000 if gpu else 240)
-    p.add_argument("--steps-per-epoch", type=int, default=200 if gpu else 40, help="a checkpoint and a validation after each")
-    p.add_argument("--batch-size", type=int, default=64 if gpu else 16, help="global: sequences a step over all replicas")
-    p.add_argument("--seq-len", type=int, default=256 if gpu else 64)
-    p.add_argument("--n-layer", type=int, default=8 if gpu else 2)
-    p.add_argument("--n-head", type=int, default=8 if gpu else 4)
-    p.add_argument("--n-embd", type=int, default=512 if gpu else 64)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=1e-3 if gpu else 3e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--max-bytes", type=int, default=12_000_000 if gpu else 4_000_000, help="how much of the standard library to read")
-    p.add_argument("--val-windows", type=int, default=64)
-    p.add_argument("--seed", type=int, default=1337)
     return p.parse_args()
 
 
