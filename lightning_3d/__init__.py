@@ -14,7 +14,7 @@ from .layers import (
     VocabParallelEmbedding3D,
 )
 from .layout import Layout, gather_activation, split_activation
-from .ops import matmul_ab, matmul_abt, matmul_atb, vocab_parallel_cross_entropy
+from .ops import WeightPrefetch, matmul_ab, matmul_abt, matmul_atb, vocab_parallel_cross_entropy
 from .sharding import ShardSpec, get_spec
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "RMSNorm3D",
     "ShardSpec",
     "VocabParallelEmbedding3D",
+    "WeightPrefetch",
     "gather_activation",
     "get_grid",
     "get_spec",
