@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from lightning_3d.checkpoint import _global_to_dense
+from lightning_3d.checkpoint import global_to_dense, save_dense
 from lightning_3d.grid import Grid
+from lightning_3d.sharding import assemble_tensor
 
 from .layout import LAYOUT_KEY, layout_specs
 
@@ -87,12 +88,8 @@ def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str = "
         if not key.startswith(prefix):
             continue
         spec = specs.get(key)
-        full = value
-        if spec is not None:
-            full = value.new_empty(spec.global_shape)
-            for r, shard in enumerate(shards):
-                full[spec.local_slices(grid, grid.cube_coords(r))] = shard[key]
-        out[key[len(prefix):]] = _global_to_dense(full, dense_shapes[key]) if key in dense_shapes else full
+        full = value if spec is None else assemble_tensor([shard[key] for shard in shards], spec, grid)
+        out[key[len(prefix):]] = global_to_dense(full, dense_shapes[key]) if key in dense_shapes else full
     if not out:
         raise ValueError(f"{path} holds no model tensors under the prefix {prefix!r}")
     return out
@@ -107,10 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     dense.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT/latest)")
     dense.add_argument("--prefix", default="", help="keep only keys starting with this and drop it, e.g. 'model.'")
     args = parser.parse_args(argv)
-    state = to_dense(args.checkpoint, args.tag, args.prefix)
-    torch.save(state, args.output)
-    numel = sum(t.numel() for t in state.values())
-    print(f"wrote {len(state)} tensors ({numel:,} values) to {args.output}")
+    save_dense(to_dense(args.checkpoint, args.tag, args.prefix), args.output)
 
 
 if __name__ == "__main__":

@@ -261,7 +261,7 @@ def load_optimizer_(
 # ----- dense export -----
 
 
-def _global_to_dense(full: torch.Tensor, shape: list[int]) -> torch.Tensor:
+def global_to_dense(full: torch.Tensor, shape: list[int]) -> torch.Tensor:
     """Keep the leading rows that make up ``shape`` (drops padding), then reshape."""
     row = math.prod(full.shape[1:])
     need = math.prod(shape)
@@ -289,7 +289,14 @@ def to_dense(path: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({MODEL_KEY: full}, storage_reader=reader, no_dist=True)
-    return {k[len(prefix):]: _global_to_dense(t, shapes[k]) if k in shapes else t for k, t in full.items()}
+    return {k[len(prefix):]: global_to_dense(t, shapes[k]) if k in shapes else t for k, t in full.items()}
+
+
+def save_dense(state: dict[str, torch.Tensor], output: str | Path) -> None:
+    """Write a dense state dict (``torch.save``) and say what was written."""
+    torch.save(state, output)
+    numel = sum(t.numel() for t in state.values())
+    print(f"wrote {len(state)} tensors ({numel:,} values) to {output}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -300,10 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     dense.add_argument("output", help="output file (torch.save of the state dict)")
     dense.add_argument("--prefix", default="", help="keep only keys starting with this and drop it, e.g. 'model.'")
     args = parser.parse_args(argv)
-    state = to_dense(args.checkpoint, args.prefix)
-    torch.save(state, args.output)
-    numel = sum(t.numel() for t in state.values())
-    print(f"wrote {len(state)} tensors ({numel:,} values) to {args.output}")
+    save_dense(to_dense(args.checkpoint, args.prefix), args.output)
 
 
 if __name__ == "__main__":

@@ -99,14 +99,18 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec, grid: Grid) -> torch.Tenso
     return full[spec.local_slices(grid)]
 
 
+def assemble_tensor(shards, spec: ShardSpec, grid: Grid) -> torch.Tensor:
+    """The global tensor from the shards of every cube rank (indexed by cube rank); no communication."""
+    full = shards[0].new_empty(spec.global_shape)
+    for r in range(grid.cube_size):
+        full[spec.local_slices(grid, grid.cube_coords(r))] = shards[r]
+    return full
+
+
 def unshard_tensor(local: torch.Tensor, spec: ShardSpec, grid: Grid) -> torch.Tensor:
     """The global tensor, assembled on every rank of the cube from their shards (all-gather)."""
-    group = grid.group("cube")
-    gathered, _ = comm.all_gather_dim0(local.contiguous().unsqueeze(0), group)
-    full = local.new_empty(spec.global_shape)
-    for r in range(grid.cube_size):
-        full[spec.local_slices(grid, grid.cube_coords(r))] = gathered[r]
-    return full
+    gathered, _ = comm.all_gather_dim0(local.contiguous().unsqueeze(0), grid.group("cube"))
+    return assemble_tensor(gathered, spec, grid)
 
 
 def set_spec(param: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
