@@ -16,8 +16,9 @@ step) for:
   all-gather prefetched (:class:`~lightning_3d.ops.matmul.WeightPrefetch`); and, on the A/B grids,
   the variants ``before`` (the matmul and norm code of commit 4e34463, loaded from ``--before``),
   ``no-prefetch``, ``regather`` (``save_gathered=False``), ``split-qkv`` (three Linear3D for
-  q, k, v instead of the fused one) and ``normal-priority`` (NCCL streams of normal priority;
-  every other case runs with ``TORCH_NCCL_HIGH_PRIORITY=1``).
+  q, k, v instead of the fused one), ``normal-priority`` (NCCL streams of normal priority;
+  every other case runs with ``TORCH_NCCL_HIGH_PRIORITY=1``) and ``async-tp`` (the grid's
+  ``async_tp=True``: activation gathers and scatters as collective matmuls over symmetric memory).
 
 Reported per case: median forward, backward and step ms (CUDA events, max over ranks), TFLOP/s
 per GPU and MFU against the matmul rate measured in the same run, peak memory per GPU (max over
@@ -62,7 +63,7 @@ from lightning_3d.models.init import init_dense_tensor_  # noqa: E402
 from lightning_3d.ops.matmul import WeightPrefetch  # noqa: E402
 from lightning_3d.sharding import get_spec, shard_tensor  # noqa: E402
 
-VARIANTS = ("before", "no-prefetch", "regather", "split-qkv", "normal-priority")
+VARIANTS = ("before", "no-prefetch", "regather", "split-qkv", "normal-priority", "async-tp")
 # High-priority NCCL streams let a collective start while a GEMM holds every SM (read by
 # ProcessGroupNCCL when a group's communicator is created, at its first collective).
 HIGH_PRIORITY = "TORCH_NCCL_HIGH_PRIORITY"
@@ -239,10 +240,10 @@ class Run:
         self._grids: dict = {}
         self._meshes: dict = {}
 
-    def grid(self, shape, dp, high_priority: bool = True):
-        key = (shape, dp, high_priority)
+    def grid(self, shape, dp, high_priority: bool = True, async_tp: bool = False):
+        key = (shape, dp, high_priority, async_tp)
         if key not in self._grids:
-            self._grids[key] = lightning_3d.init_grid(shape, dp)
+            self._grids[key] = lightning_3d.init_grid(shape, dp, async_tp=async_tp)
         lightning_3d.set_grid(self._grids[key])
         return self._grids[key]
 
@@ -290,7 +291,7 @@ def build(run: Run, case: Case, shape: Shape, states, x_full: torch.Tensor, dtyp
         x = x_full[replica].detach().clone().requires_grad_()
         dp_group = mesh.get_group("dp") if case.dp > 1 else None
         return Built(model, x, scale, dp_group, lambda y: y, replica, case.grid[0])
-    grid = run.grid(case.grid, case.dp, case.variant != "normal-priority")
+    grid = case_grid(run, case)
     save = case.variant != "regather"
     blocks = [Block3D(shape.config(), grid, save, device=dev, dtype=dtype) for _ in states]
     for block, sd in zip(blocks, states):
@@ -307,6 +308,10 @@ def build(run: Run, case: Case, shape: Shape, states, x_full: torch.Tensor, dtyp
     x = shard_tensor(x_full[replica], layout.spec(tuple(x_full[replica].shape)), grid).contiguous().requires_grad_()
     dp_group = grid.group("dp") if case.dp > 1 else None
     return Built(model, x, scale, dp_group, lambda y: lightning_3d.gather_activation(y, "z", grid), replica, 1)
+
+
+def case_grid(run: Run, case: Case):
+    return run.grid(case.grid, case.dp, case.variant != "normal-priority", case.variant == "async-tp")
 
 
 def make_step(built: Built, timer: measure.Timer | None = None):
@@ -353,7 +358,7 @@ def check_grid(run: Run, case: Case, shape: Shape) -> dict:
     dist.broadcast(w_full, 0)
     dense = build(run, Case("dense"), shape, states, x_full, torch.float64)
     mine = build(run, case, shape, [{k: v.float() for k, v in sd.items()} for sd in states], x_full.float(), torch.float32)
-    grid = run.grid(case.grid, case.dp)
+    grid = case_grid(run, case)
     layout = Layout("z")
     w_local = shard_tensor(w_full[mine.replica], layout.spec(tuple(w_full[mine.replica].shape)), grid).float()
     errors: dict[str, float] = {}
@@ -485,8 +490,9 @@ def run_shape(run: Run, shape: Shape, main: bool, profile: bool, hw: dict) -> li
                                                           f"out err {r['out_rel_err_vs_dense']:.2e}" if "step_ms" in r else "skipped"))
     if args.profile and profile and run.world > 1 and not run.cpu:
         timed = [r for r in results if "step_ms" in r]
-        best = min((r for r in timed if r["kind"] == "3d" and r["dp"] == 1 and not r["variant"]), key=lambda r: r["step_ms"])
-        for r in [best, next(r for r in timed if r["kind"] == "tp1d" and r["dp"] == 1)]:
+        best = [min((r for r in timed if r["kind"] == "3d" and r["dp"] == 1 and r["variant"] == v), key=lambda r: r["step_ms"])
+                for v in ("", "async-tp") if any(r["kind"] == "3d" and r["variant"] == v for r in timed)]
+        for r in best + [next(r for r in timed if r["kind"] == "tp1d" and r["dp"] == 1)]:
             case = Case(r["kind"], tuple(r["grid"]), r["dp"], r["variant"])
             name = f"trace_w{run.world}_h{shape.h}_{case.kind}_{'x'.join(map(str, case.grid))}{'_' + case.variant if case.variant else ''}.json.gz"
             prof = time_case(run, case, shape, states, x_full, ref_delta, os.path.join(args.out, name))
@@ -529,7 +535,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--no-check", action="store_true", help="skip the float32 correctness check")
-    parser.add_argument("--profile", action="store_true", help="torch-profile the best 3-D grid and the peer on the last main shape")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch-profile the best 3-D grid (and the best with async-tp) and the peer on the last main shape")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="variants timed on the A/B grids")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -557,13 +564,14 @@ def main() -> None:
     hw = hardware(run)
     run.log(f"world {world} on {meta['device']}: matmul {hw['matmul_tflops']:.0f} TFLOP/s, copy {hw['copy_GBps']:.0f} GB/s")
     checks = []
+    check_variants = [""] + (["async-tp"] if "async-tp" in args.variants.split(",") else [])
     if not args.no_check:
         check_shape = Shape(32, 4, 8, 8, 2) if cpu else Shape(128, 8, 32, 16, 2)
         with no_tf32():
             for c in range(world, 0, -1):
                 if world % c == 0:
-                    for g in cube_grids(c):
-                        checks.append(check_grid(run, Case("3d", g, world // c), check_shape))
+                    for g, variant in itertools.product(cube_grids(c), check_variants):
+                        checks.append(check_grid(run, Case("3d", g, world // c, variant), check_shape))
                         run.log(f"  check {checks[-1]['case']:28s} max rel err {checks[-1]['max_rel_err']:.2e} {'ok' if checks[-1]['ok'] else 'FAILED'}")
     results = {}
     mains = [t for t in args.shapes.split(";") if t]

@@ -138,20 +138,34 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     return total
 
 
+# Names of the kernels that move data between GPUs or wait for peers: NCCL's, and the barrier,
+# signal and spin kernels of PyTorch's symmetric-memory pipelines.
+COMM_KERNELS = ("nccl", "barrier", "signal", "spin_kernel")
+
+
+def _is_comm(event: dict) -> bool:
+    """Communication: a copy (peer copies of the symmetric-memory pipelines, and the local copies
+    next to them) or a kernel named in :data:`COMM_KERNELS`. Memsets count as neither side."""
+    if event.get("cat") == "gpu_memcpy":
+        return True
+    name = event.get("name", "").lower()
+    return any(k in name for k in COMM_KERNELS)
+
+
 def kernel_timeline(trace_path: str) -> dict:
-    """From a chrome trace: ms of GPU time with communication kernels running and no other kernel
-    (exposed communication), of any kernel (busy), and of communication kernels in all."""
+    """From a chrome trace: ms of GPU time with communication running and no compute kernel
+    (exposed communication), of anything running (busy), and of communication in all."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    comm, compute = [], []
+    moving, computing, other = [], [], []
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             span = (e["ts"], e["ts"] + e["dur"])
-            (comm if "nccl" in e.get("name", "").lower() else compute).append(span)
-    comm_u, compute_u = _union(comm), _union(compute)
-    return {"exposed_comm_ms": _minus(comm_u, compute_u) / 1e3, "comm_ms": _length(comm_u) / 1e3,
-            "busy_ms": _length(_union(comm + compute)) / 1e3, "kernels": len(comm) + len(compute)}
+            (moving if _is_comm(e) else other if e["cat"] == "gpu_memset" else computing).append(span)
+    moving_u, computing_u = _union(moving), _union(computing)
+    return {"exposed_comm_ms": _minus(moving_u, computing_u) / 1e3, "comm_ms": _length(moving_u) / 1e3,
+            "busy_ms": _length(_union(moving + computing + other)) / 1e3, "kernels": len(moving) + len(computing) + len(other)}
 
 
 def profile_steps(step, steps: int, trace_path: str) -> dict:

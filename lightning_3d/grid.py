@@ -37,7 +37,9 @@ def normalize_axes(axes: str) -> str:
 class Grid:
     """A ``dp × px × py × pz`` grid of ranks and its process groups.
 
-    Build it with :func:`init_grid`. ``shape`` is ``(px, py, pz)``; ``coords`` is ``(d, i, j, l)``.
+    Build it with :func:`init_grid`. ``shape`` is ``(px, py, pz)``; ``coords`` is ``(d, i, j, l)``;
+    ``async_tp``: the 3-D products run their gathers and scatters as collective matmuls
+    (:mod:`lightning_3d.ops.async_tp`).
     """
 
     shape: tuple[int, int, int]
@@ -46,6 +48,7 @@ class Grid:
     mesh: DeviceMesh
     timeout: datetime.timedelta | None
     _groups: dict[str, dist.ProcessGroup] = field(repr=False)
+    async_tp: bool = False
 
     @property
     def cube_size(self) -> int:
@@ -144,6 +147,7 @@ def init_grid(
     *,
     device_type: str | None = None,
     timeout: datetime.timedelta | None = None,
+    async_tp: bool = False,
 ) -> Grid:
     """Build the grid on the initialised default process group and make it the current grid.
 
@@ -152,9 +156,14 @@ def init_grid(
         data_parallel_size: number of model replicas; defaults to ``world // (px·py·pz)``.
         device_type: ``"cuda"`` or ``"cpu"``; defaults to the default backend's device.
         timeout: collective timeout of every group; defaults to the default group's.
+        async_tp: run each 3-D product's activation gather or scatter as a collective matmul,
+            pipelined block by block with the product (symmetric memory on CUDA: every rank of a
+            cube must reach its peers' memory, i.e. one NVLink domain; see
+            :mod:`lightning_3d.ops.async_tp`).
 
     Raises:
-        ValueError: the world size is not ``dp·px·py·pz``, or an axis is < 1.
+        ValueError: the world size is not ``dp·px·py·pz``, an axis is < 1, or ``async_tp`` cannot
+            run on ``device_type``.
     """
     global _current
     if not dist.is_initialized():
@@ -164,6 +173,10 @@ def init_grid(
     backend = dist.get_backend()
     if device_type is None:
         device_type = "cuda" if "nccl" in backend else "cpu"
+    if async_tp:
+        from .ops.async_tp import check_available
+
+        check_available(device_type)
     timeout = timeout if timeout is not None else _default_timeout()
     mesh_shape = (dp,) + shape
     opts = _backend_options(backend, timeout)
@@ -181,7 +194,7 @@ def init_grid(
             members = ranks.permute(rest + dims).reshape(-1, group_size)
             groups["".join(axes)], _ = dist.new_subgroups_by_enumeration(members.tolist(), timeout=timeout)
     coords = tuple(int(c) for c in mesh.get_coordinate())
-    _current = Grid(shape, dp, coords, mesh, timeout, groups)
+    _current = Grid(shape, dp, coords, mesh, timeout, groups, async_tp)
     return _current
 
 

@@ -20,11 +20,12 @@ def test_bench_gpt_smoke_on_cpu(tmp_path):
     checks = data["checks"]
     assert {tuple(c["grid"]) + (c["dp"],) for c in checks} == {(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}
     assert all(c["ok"] and 0 < c["max_rel_err"] < 1e-4 for c in checks), checks
+    assert sum("[async-tp]" in c["case"] for c in checks) == 4
     (block,) = data["results"].values()
     cases = block["cases"]
     kinds = {c["kind"] for c in cases}
     assert kinds == {"dense", "tp1d", "3d"}
-    assert {c["variant"] for c in cases} >= {"", "no-prefetch", "regather", "split-qkv", "normal-priority"}
+    assert {c["variant"] for c in cases} >= {"", "no-prefetch", "regather", "split-qkv", "normal-priority", "async-tp"}
     for c in cases:
         assert c["step_ms"] > 0 and c["fwd_ms"] > 0 and c["bwd_ms"] > 0, c
         # float32 on the same weights: every model computes the dense model's function

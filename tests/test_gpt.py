@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from checks import GRIDS_8, assert_close, local, on_grids, rel, seed_for
+from checks import GRIDS_8, assert_close, local, on_async_tp_grids, on_grids, rel, seed_for
 from lightning_3d.layout import gather_activation
 from lightning_3d.models import DenseGPT, FusedLinear3D, GPT3D, GPTConfig, dense_state_dict_from_hf, gpt_config_from_hf
 from lightning_3d.sharding import get_spec, unshard_tensor
@@ -109,6 +109,15 @@ def model_job(grid):
 
 def test_gpt3d_equals_dense_on_grids():
     assert_close(harness.run(8, on_grids, GRIDS, model_job), tol=1e-9)
+
+
+def equivalence_job(grid):
+    return {k: e for style in STYLES for k, e in equivalence(grid, style).items()}
+
+
+def test_gpt3d_equals_dense_with_async_tp():
+    """Collective matmuls (biases added on one rank inside the fused products) change nothing."""
+    assert_close(harness.run(8, on_async_tp_grids, GRIDS_8, equivalence_job), tol=1e-9)
 
 
 def test_gpt3d_equals_dense_on_2x1x1_with_dp2():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import harness
-from checks import GRIDS_8, assert_close, local, on_grids, rel, seed_for
+from checks import GRIDS_8, assert_close, local, on_async_tp_grids, on_grids, rel, seed_for
 from lightning_3d import matmul_ab, matmul_abt, matmul_atb
 from lightning_3d.sharding import ShardSpec, shard_tensor
 
@@ -51,3 +51,11 @@ def matmul_job(grid, form, save_gathered):
 @pytest.mark.parametrize("save_gathered", [True, False])
 def test_matmul_forms(form, save_gathered):
     assert_close(harness.run(8, on_grids, GRIDS_8, matmul_job, form, save_gathered))
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("save_gathered", [True, False])
+def test_matmul_forms_async_tp(form, save_gathered):
+    """Collective matmuls: forward gather fused where A's axis > 1 (else the scatter, e.g. 1×1×2),
+    backward dC gather or dA / dB scatter fused, on every grid."""
+    assert_close(harness.run(8, on_async_tp_grids, GRIDS_8, matmul_job, form, save_gathered))

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
+from . import async_tp
 from ..grid import Grid, resolve_grid
 
 
@@ -135,7 +136,8 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 class MatmulPlan(NamedTuple):
     """What one 3-D matmul does: its form, its three groups, whether it saves gathered operands,
-    and the active :class:`WeightPrefetch` that gathers operand B (None: gather it here)."""
+    the active :class:`WeightPrefetch` that gathers operand B (None: gather it here), and whether
+    gathers and scatters next to a product run as collective matmuls (the grid's ``async_tp``)."""
 
     form: str
     group_a: object
@@ -143,6 +145,12 @@ class MatmulPlan(NamedTuple):
     group_c: object
     save_gathered: bool
     prefetch: WeightPrefetch | None = None
+    async_tp: bool = False
+
+    def fused(self, form: str, group) -> bool:
+        """Whether the gather or scatter over ``group`` next to a product of ``form`` runs as a
+        collective matmul (:mod:`~lightning_3d.ops.async_tp`)."""
+        return self.async_tp and form in async_tp.FORMS and dist.get_world_size(group) > 1
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -163,7 +171,8 @@ class _Matmul3D(torch.autograd.Function):
         ctx.plan, ctx.dtypes = plan, (a.dtype, b.dtype, None if bias is None else bias.dtype)
         cast = _autocast_dtype(a)  # communicate in the dtype autocast would multiply in
         a = _cast(a, cast)
-        a_full, wait_a = comm.all_gather_dim0(a, plan.group_a, async_op=True)
+        fuse_gather = plan.fused(plan.form, plan.group_a)
+        a_full, wait_a = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(a, plan.group_a, async_op=True)
         if plan.prefetch is None:
             b = _cast(b, cast)
             b_full, wait_b = comm.all_gather_dim0(b, plan.group_b, async_op=True)
@@ -172,8 +181,12 @@ class _Matmul3D(torch.autograd.Function):
         wait_a.wait()
         wait_b.wait()
         # the reduce-scatter sums over C's group: the bias joins the partial product of one rank
-        bias = bias.to(a_full.dtype) if bias is not None and dist.get_rank(plan.group_c) == 0 else None
-        c, _ = comm.reduce_scatter_dim0(_mm(plan.form, a_full, b_full, bias), plan.group_c)
+        bias = bias.to(b_full.dtype) if bias is not None and dist.get_rank(plan.group_c) == 0 else None
+        if fuse_gather:
+            a_full, c = async_tp.all_gather_matmul(plan.form, a, b_full, bias, plan.group_a)
+            c, _ = comm.reduce_scatter_dim0(c, plan.group_c)
+        else:
+            c = _product_scatter(plan, plan.form, a_full, b_full, bias, plan.group_c)
         ctx.save_for_backward(*((a_full, b_full) if plan.save_gathered else (a, _cast(b, cast))))
         return c
 
@@ -181,21 +194,34 @@ class _Matmul3D(torch.autograd.Function):
     def backward(ctx, grad_c: torch.Tensor):
         plan = ctx.plan
         a, b = ctx.saved_tensors
-        dc_full, wait_c = comm.all_gather_dim0(grad_c, plan.group_c, async_op=True)
+        # dA's first operand is dC in forms "ab" and "abt": its gather can be fused into dA's product
+        form_a, (first_a, _) = _BACKWARD[plan.form][0]
+        fuse_gather = ctx.needs_input_grad[0] and first_a == 2 and plan.fused(form_a, plan.group_c)
+        dc_full, wait_c = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(grad_c, plan.group_c, async_op=True)
         waits = [comm.DONE, comm.DONE]
         if not plan.save_gathered:
             a, waits[0] = comm.all_gather_dim0(a, plan.group_a, async_op=True)
             b, waits[1] = comm.all_gather_dim0(b, plan.group_b, async_op=True)
         wait_c.wait()
-        operands = (a, b, dc_full.to(a.dtype))
+        operands = [a, b, None if fuse_gather else dc_full.to(a.dtype)]
         groups = (plan.group_a, plan.group_b)
-        # the reduce-scatter of gradient k sends (|group_k| - 1)/|group_k| of its product: run the larger first
-        moved = [operands[k].numel() * (dist.get_world_size(groups[k]) - 1) if ctx.needs_input_grad[k] else -1 for k in (0, 1)]
+        # the reduce-scatter of gradient k sends (|group_k| - 1)/|group_k| of its product: run the
+        # larger first; a fused gather of dC runs first, since the other product reads dC
+        moved = [a.numel() * (dist.get_world_size(groups[0]) - 1) if ctx.needs_input_grad[0] else -1,
+                 b.numel() * (dist.get_world_size(groups[1]) - 1) if ctx.needs_input_grad[1] else -1]
+        if fuse_gather:
+            moved[0] = float("inf")
         grads, scatters = [None, None], []
         for k in sorted((k for k in (0, 1) if moved[k] >= 0), key=lambda k: -moved[k]):
             form, (x, y) = _BACKWARD[plan.form][k]
             waits[1 - k].wait()  # dA reads B, dB reads A
-            grads[k], done = comm.reduce_scatter_dim0(_mm(form, operands[x], operands[y]), groups[k], async_op=True)
+            if k == 0 and fuse_gather:
+                operands[2], product = async_tp.all_gather_matmul(form, grad_c.to(a.dtype), operands[y], None, plan.group_c)
+                grads[0], done = comm.reduce_scatter_dim0(product, groups[0], async_op=True)
+            elif plan.fused(form, groups[k]):
+                grads[k], done = async_tp.matmul_reduce_scatter(form, operands[x], operands[y], None, groups[k]), comm.DONE
+            else:
+                grads[k], done = comm.reduce_scatter_dim0(_mm(form, operands[x], operands[y]), groups[k], async_op=True)
             scatters.append(done)
         grad_bias = grad_c.sum(tuple(range(grad_c.dim() - 1))) if ctx.needs_input_grad[2] else None
         for done in scatters:
@@ -203,11 +229,19 @@ class _Matmul3D(torch.autograd.Function):
         return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads + [grad_bias], ctx.dtypes)) + (None,)
 
 
+def _product_scatter(plan: MatmulPlan, form: str, a, b, bias, group) -> torch.Tensor:
+    """``reduce_scatter_dim0(a ⊗ b + bias, group)``, as a collective matmul when the plan fuses it."""
+    if plan.fused(form, group):
+        return async_tp.matmul_reduce_scatter(form, a, b, bias, group)
+    c, _ = comm.reduce_scatter_dim0(_mm(form, a, b, bias), group)
+    return c
+
+
 def _matmul(form: str, a, b, directions, grid, save_gathered, bias=None) -> torch.Tensor:
     grid = resolve_grid(grid)
     ga, gb, gc = (grid.group(axis) for axis in directions)
     prefetch = _active_prefetch if _is_parameter(b) else None
-    return _Matmul3D.apply(a, b, bias, MatmulPlan(form, ga, gb, gc, save_gathered, prefetch))
+    return _Matmul3D.apply(a, b, bias, MatmulPlan(form, ga, gb, gc, save_gathered, prefetch, grid.async_tp))
 
 
 def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_gathered: bool = True) -> torch.Tensor:
