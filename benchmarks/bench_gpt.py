@@ -492,7 +492,10 @@ def run_shape(run: Run, shape: Shape, main: bool, profile: bool, hw: dict) -> li
         timed = [r for r in results if "step_ms" in r]
         best = [min((r for r in timed if r["kind"] == "3d" and r["dp"] == 1 and r["variant"] == v), key=lambda r: r["step_ms"])
                 for v in ("", "async-tp") if any(r["kind"] == "3d" and r["variant"] == v for r in timed)]
-        for r in best + [next(r for r in timed if r["kind"] == "tp1d" and r["dp"] == 1)]:
+        chosen = best + [next(r for r in timed if r["kind"] == "tp1d" and r["dp"] == 1)]
+        if args.profile_cases:
+            chosen = [r for r in timed if r["case"] in args.profile_cases.split(",")]
+        for r in chosen:
             case = Case(r["kind"], tuple(r["grid"]), r["dp"], r["variant"])
             name = f"trace_w{run.world}_h{shape.h}_{case.kind}_{'x'.join(map(str, case.grid))}{'_' + case.variant if case.variant else ''}.json.gz"
             prof = time_case(run, case, shape, states, x_full, ref_delta, os.path.join(args.out, name))
@@ -537,6 +540,8 @@ def main() -> None:
     parser.add_argument("--no-check", action="store_true", help="skip the float32 correctness check")
     parser.add_argument("--profile", action="store_true",
                         help="torch-profile the best 3-D grid (and the best with async-tp) and the peer on the last main shape")
+    parser.add_argument("--profile-cases", default=None,
+                        help="with --profile: the cases to profile instead, by label, e.g. '3d 2x2x1,3d 2x2x1 [async-tp]'")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="variants timed on the A/B grids")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
