@@ -3,9 +3,10 @@
 .. code-block:: json
 
     {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-     "tensor3d": {"grid": [2, 2, 1]}}
+     "tensor3d": {"grid": [2, 2, 1], "async_tp": false}}
 
-Every rank of one cube sees the same micro-batch, so DeepSpeed's batch arithmetic runs over the
+``async_tp`` (optional, default false) is ``lightning_3d.init_grid``'s: the 3-D products run their
+activation gathers and scatters as collective matmuls. Every rank of one cube sees the same micro-batch, so DeepSpeed's batch arithmetic runs over the
 data-parallel size ``dp = world / (px·py·pz)``, not over the world size.
 """
 
@@ -23,7 +24,7 @@ import lightning_3d
 from lightning_3d.grid import Grid
 
 SECTION = "tensor3d"
-_SECTION_KEYS = {"grid"}
+_SECTION_KEYS = {"grid", "async_tp"}
 
 
 def load_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
@@ -44,11 +45,20 @@ def grid_shape(config: dict[str, Any]) -> tuple[int, int, int] | None:
     if section is None:
         return None
     if not isinstance(section, dict) or set(section) - _SECTION_KEYS or "grid" not in section:
-        raise ValueError(f'the "{SECTION}" section must be {{"grid": [px, py, pz]}}, got {section!r}')
+        raise ValueError(f'the "{SECTION}" section must be {{"grid": [px, py, pz]}} with an optional "async_tp": true/false, '
+                         f'got {section!r}')
     shape = section["grid"]
     if not isinstance(shape, (list, tuple)) or len(shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in shape):
         raise ValueError(f'"{SECTION}": {{"grid": ...}} must be three positive integers [px, py, pz], got {shape!r}')
     return tuple(shape)
+
+
+def async_tp(config: dict[str, Any]) -> bool:
+    """The ``"tensor3d"`` section's ``"async_tp"`` (false when absent)."""
+    value = (config.get(SECTION) or {}).get("async_tp", False)
+    if not isinstance(value, bool):
+        raise ValueError(f'"{SECTION}": {{"async_tp": ...}} must be true or false, got {value!r}')
+    return value
 
 
 def current_grid() -> Grid | None:
@@ -66,7 +76,8 @@ def init_grid_from_config(config: dict[str, Any] | str | os.PathLike) -> Grid:
     NCCL on CUDA, gloo on CPU). Raises ``ValueError`` when the section disagrees with the current
     grid, or when there is neither a section nor a current grid.
     """
-    shape = grid_shape(load_config(config))
+    config = load_config(config)
+    shape, overlap = grid_shape(config), async_tp(config)
     if not dist.is_initialized():
         deepspeed.init_distributed()
     current = current_grid()
@@ -77,13 +88,18 @@ def init_grid_from_config(config: dict[str, Any] | str | os.PathLike) -> Grid:
                 f'the config asks for "{SECTION}": {{"grid": {list(shape)}}} but the current grid is {px}×{py}×{pz}; '
                 f'build the model on the grid of the config, or set "grid": {[px, py, pz]} (or drop the section)'
             )
+        if shape is not None and current.async_tp != overlap:
+            raise ValueError(
+                f'the config asks for "{SECTION}": {{"async_tp": {str(overlap).lower()}}} but the current grid has '
+                f"async_tp={current.async_tp}; pass async_tp={overlap} to lightning_3d.init_grid or change the config"
+            )
         return current
     if shape is None:
         raise ValueError(
             f'no grid: add "{SECTION}": {{"grid": [px, py, pz]}} to the DeepSpeed config '
             f"or call lightning_3d.init_grid((px, py, pz)) before building the model"
         )
-    return lightning_3d.init_grid(shape)
+    return lightning_3d.init_grid(shape, async_tp=overlap)
 
 
 def check_batch_size(config: dict[str, Any], grid: Grid) -> None:

@@ -183,6 +183,7 @@ def run_parser(description: str, out: str) -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=int, default=12_000_000 if gpu else 4_000_000, help="how much of the standard library to read")
     p.add_argument("--val-windows", type=int, default=64)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--async-tp", action="store_true", help="collective matmuls over symmetric memory (GPUs of one NVLink domain)")
     return p
 
 
@@ -210,7 +211,8 @@ def main() -> None:
     out = Path(args.out)
     grid = args.grid if args.grid == "auto" else tuple(int(s) for s in args.grid.split(","))
     dp = args.data_parallel_size if args.data_parallel_size == "auto" else int(args.data_parallel_size)
-    strategy = Tensor3DStrategy(grid=grid, data_parallel_size=dp, zero_stage=args.zero_stage, timeout=args.timeout)
+    strategy = Tensor3DStrategy(grid=grid, data_parallel_size=dp, zero_stage=args.zero_stage, timeout=args.timeout,
+                                async_tp=args.async_tp)
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices, strategy=strategy,
         precision=args.precision, max_steps=args.max_steps, limit_train_batches=args.steps_per_epoch,

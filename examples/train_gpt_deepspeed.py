@@ -51,10 +51,11 @@ def main() -> None:
     pl.seed_everything(args.seed)
     out = Path(args.out)
     config = json.loads(Path(args.config).read_text())
-    grid = tuple(int(s) for s in args.grid.split(",")) if args.grid else None
-    if grid is not None:
-        config.pop("tensor3d", None)
-    strategy = Tensor3DDeepSpeedStrategy(config=config, grid=grid)
+    if args.grid:
+        config.setdefault("tensor3d", {})["grid"] = [int(s) for s in args.grid.split(",")]
+    if args.async_tp:
+        config.setdefault("tensor3d", {})["async_tp"] = True
+    strategy = Tensor3DDeepSpeedStrategy(config=config)
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices, strategy=strategy,
         precision=args.precision, max_steps=args.max_steps, limit_train_batches=args.steps_per_epoch,

@@ -62,7 +62,7 @@ def define_strategy(namespace: str, module_name: str) -> type:
                 shape = grid_shape({SECTION: {"grid": list(grid)}})
                 if grid_shape(self.config) not in (None, shape):
                     raise ValueError(f'grid={tuple(grid)} disagrees with the config\'s "{SECTION}": {self.config[SECTION]}; give one of them')
-                self.config[SECTION] = {"grid": list(shape)}
+                self.config[SECTION] = {**self.config.get(SECTION, {}), "grid": list(shape)}
             self._grid: Grid | None = None
 
         def setup_environment(self) -> None:
@@ -70,7 +70,7 @@ def define_strategy(namespace: str, module_name: str) -> type:
             super(DeepSpeedStrategy, self).setup_environment()
             if grid_shape(self.config) is None and current_grid() is None:
                 shape, _ = grid_rules.resolve("auto", "auto", self.world_size, self.num_processes)
-                self.config[SECTION] = {"grid": list(shape)}
+                self.config[SECTION] = {**self.config.get(SECTION, {}), "grid": list(shape)}
             self._grid = init_grid_from_config(self.config)
             set_grid(self._grid)
             self.lightning_module.grid = self._grid

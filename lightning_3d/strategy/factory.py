@@ -45,11 +45,11 @@ _COLLECTIVE_FAILURE = ("gloo", "nccl", "connection closed", "connection reset", 
 _grids: dict[tuple, Grid] = {}
 
 
-def _grid(shape: tuple[int, int, int], dp: int, device_type: str, timeout: datetime.timedelta) -> Grid:
+def _grid(shape: tuple[int, int, int], dp: int, device_type: str, timeout: datetime.timedelta, async_tp: bool) -> Grid:
     """One grid per shape and world group: a second fit/validate in the same processes reuses its groups."""
-    key = (shape, dp, device_type, timeout, id(dist.group.WORLD))
+    key = (shape, dp, device_type, timeout, async_tp, id(dist.group.WORLD))
     if key not in _grids:
-        _grids[key] = init_grid(shape, dp, device_type=device_type, timeout=timeout)
+        _grids[key] = init_grid(shape, dp, device_type=device_type, timeout=timeout, async_tp=async_tp)
     return _grids[key]
 
 
@@ -92,6 +92,9 @@ def define_strategy(namespace: str, module_name: str) -> type:
                 or stalled peer before the run fails.
             model_shape: ``planner.ModelShape(hidden, heads, seq, batch, layers)`` of the model
                 and global batch, for ``grid="auto"``.
+            async_tp: run the activation gathers and scatters of the 3-D products as collective
+                matmuls over symmetric memory (``init_grid(async_tp=True)``; GPUs of one NVLink
+                domain); see ``docs/benchmarks.md`` for where it pays.
 
         Raises:
             ValueError: a bad ``grid``, ``data_parallel_size``, ``zero_stage`` or ``timeout``; at
@@ -106,6 +109,7 @@ def define_strategy(namespace: str, module_name: str) -> type:
             process_group_backend: str | None = None,
             timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
             model_shape: ModelShape | None = None,
+            async_tp: bool = False,
             accelerator=None,
             parallel_devices: list[torch.device] | None = None,
             cluster_environment=None,
@@ -118,6 +122,7 @@ def define_strategy(namespace: str, module_name: str) -> type:
             self._grid_arg = grid_rules.check_grid_arg(grid)
             self._dp_arg = grid_rules.check_dp_arg(data_parallel_size)
             self._model_shape = model_shape
+            self.async_tp = bool(async_tp)
             if zero_stage not in (0, 1):
                 raise ValueError(f"zero_stage must be 0 or 1 (optimizer state sharded over dp), got {zero_stage!r}")
             self.zero_stage = zero_stage
@@ -129,12 +134,13 @@ def define_strategy(namespace: str, module_name: str) -> type:
         def setup_environment(self) -> None:
             super().setup_environment()
             shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape)
-            self._grid = _grid(shape, dp, self.root_device.type, self._timeout)
+            self._grid = _grid(shape, dp, self.root_device.type, self._timeout, self.async_tp)
             set_grid(self._grid)
             self.lightning_module.grid = self._grid
             self.lightning_module._device_mesh = self._grid.mesh
             px, py, pz = shape
-            rank_zero_info(f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}")
+            rank_zero_info(f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, "
+                           f"async_tp={self.async_tp}")
 
         def process_dataloader(self, dataloader: object) -> object:
             """Seed dataloader workers by dp rank, so the cube ranks that share a batch draw alike."""
