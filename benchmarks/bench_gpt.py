@@ -519,12 +519,12 @@ def hardware(run: Run) -> dict:
     dev = run.device
     if run.cpu:
         hw = {"matmul_tflops": measure.matmul_tflops(dev, torch.float32, 256, 5), "copy_GBps": measure.copy_gbps(dev, 2**22)}
-        sizes, iters = (2**12, 2**16), 3
+        sizes, iters, small = (2**12, 2**16), 3, 2**10
     else:
         hw = {"matmul_tflops": measure.matmul_tflops(dev, torch.bfloat16, 8192), "copy_GBps": measure.copy_gbps(dev, 2**30)}
-        sizes, iters = (2**20, 2**28), 10
+        sizes, iters, small = (2**20, 2**28), 10, 2**16
     hw["matmul_tflops"], hw["copy_GBps"] = (-v for v in measure.all_reduce_max([-hw["matmul_tflops"], -hw["copy_GBps"]], dev))
-    hw["collectives"] = {str(g): measure.collective_rates(dev, g, sizes, iters) for g in range(2, run.world + 1) if run.world % g == 0}
+    hw["collectives"] = {str(g): measure.collective_rates(dev, g, sizes, iters, small) for g in range(2, run.world + 1) if run.world % g == 0}
     return hw
 
 

@@ -79,16 +79,17 @@ def copy_gbps(device: torch.device, nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def collective_rates(device: torch.device, group_size: int, sizes: tuple[int, int], iters: int) -> dict:
+def collective_rates(device: torch.device, group_size: int, sizes: tuple[int, int], iters: int, small: int, burst: int = 20) -> dict:
     """Latency (µs) and bus bandwidth (GB/s) of all-gather, reduce-scatter and all-reduce in groups
-    of ``group_size`` consecutive ranks, all groups at once, fitted as ``t = α + moved/β`` from
-    two message sizes (bytes of the full, gathered tensor)."""
+    of ``group_size`` consecutive ranks, all groups at once. Bandwidth: the slope ``moved / t``
+    between two message sizes (bytes of the full, gathered tensor); latency: the time per
+    collective of ``burst`` back-to-back ones of ``small`` bytes, as a step issues them (the
+    intercept of the two-point fit is kept as ``intercept_us``)."""
     group, _ = dist.new_subgroups(group_size)
     g = group_size
     out = {}
     for op in ("all_gather", "reduce_scatter", "all_reduce"):
-        points = []
-        for nbytes in sizes:
+        def timed(nbytes: int, repeat: int) -> tuple[float, float]:
             full = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
             part = full[: full.numel() // g].clone()
             if op == "all_gather":
@@ -97,12 +98,18 @@ def collective_rates(device: torch.device, group_size: int, sizes: tuple[int, in
                 fn, moved = (lambda: comm.reduce_scatter_dim0(full, group)), nbytes * (g - 1) / g
             else:
                 fn, moved = (lambda: comm.all_reduce(full, group)), 2 * nbytes * (g - 1) / g
-            ms = max(all_reduce_max([median_ms(fn, device, 3, iters)], device))
-            points.append((moved, ms * 1e-3))
-        (m0, t0), (m1, t1) = points
+
+            def run() -> None:
+                for _ in range(repeat):
+                    fn()
+
+            return moved, max(all_reduce_max([median_ms(run, device, 3, iters)], device)) * 1e-3 / repeat
+
+        (m0, t0), (m1, t1) = (timed(n, 1) for n in sizes)
         beta = (m1 - m0) / max(t1 - t0, 1e-9)
-        out[op] = {"latency_us": max(t0 - m0 / beta, 0.0) * 1e6, "busbw_GBps": beta / 1e9,
-                   "points": [{"moved_bytes": m, "ms": t * 1e3} for m, t in points]}
+        _, t_small = timed(small, burst)
+        out[op] = {"latency_us": t_small * 1e6, "busbw_GBps": beta / 1e9, "intercept_us": max(t0 - m0 / beta, 0.0) * 1e6,
+                   "points": [{"moved_bytes": m, "ms": t * 1e3} for m, t in ((m0, t0), (m1, t1))]}
     return out
 
 
