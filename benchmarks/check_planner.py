@@ -1,7 +1,7 @@
 """The cost model (``lightning_3d.planner``) against every point ``bench_gpt.py`` measured.
 
 ``python benchmarks/check_planner.py bench_w1.json bench_w2.json bench_w4.json`` prints, per
-timed case (variants excluded), the measured and predicted step time and peak memory and their
+timed case (variants excluded, except ``async-tp``, predicted as collective matmuls), the measured and predicted step time and peak memory and their
 relative errors, with each file's own measured machine rates; exits 1 if a step time is off by
 more than ``--tol`` (default 15%).
 """
@@ -23,7 +23,7 @@ def predict(case: dict, shape: planner.ModelShape, machine: planner.Machine) -> 
         return planner.predict_1d(shape, 1, 1, machine)
     if case["kind"] == "tp1d":
         return planner.predict_1d(shape, case["grid"][0], case["dp"], machine, anchor=True)
-    return planner.predict_3d(shape, tuple(case["grid"]), case["dp"], machine)
+    return planner.predict_3d(shape, tuple(case["grid"]), case["dp"], machine, async_tp=case["variant"] == "async-tp")
 
 
 def rows(paths: list[str]) -> list[dict]:
@@ -36,7 +36,7 @@ def rows(paths: list[str]) -> list[dict]:
             s = block["shape"]
             shape = planner.ModelShape(s["h"], s["heads"], s["s"], s["b"], s["layers"])
             for case in block["cases"]:
-                if "step_ms" not in case or case["variant"]:
+                if "step_ms" not in case or case["variant"] not in ("", "async-tp"):
                     continue
                 p = predict(case, shape, machine)
                 out.append({"world": data["meta"]["world"], "shape": f"h{s['h']} b{s['b']} L{s['layers']}", "case": case["case"],

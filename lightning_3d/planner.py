@@ -63,6 +63,9 @@ class Machine:
             overlaps (NCCL's SMs and memory traffic slow the GEMM; fitted: 0.4).
         peer_overhead_ms: per layer and step, the DTensor peer's dispatch cost not hidden
             behind its kernels (``predict_1d(..., anchor=True)``).
+        pipeline_latencies: what a collective matmul (``async_tp``) exposes besides its copies'
+            excess over the product: its barriers and the ranks' skew, in latencies of its
+            group's all-gather (fitted).
     """
 
     matmul_tflops: float
@@ -78,6 +81,7 @@ class Machine:
     overhead_ms: float = 0.05
     overlap_cost: float = 0.4
     peer_overhead_ms: float = 1.5
+    pipeline_latencies: float = 4.0
 
     def link(self, op: str, size: int, spans_nodes: bool) -> Link:
         """The Link of ``op`` in a group of ``size`` ranks (the nearest measured size inside a node)."""
@@ -98,16 +102,17 @@ class Machine:
         return replace(DEFAULT_MACHINE, matmul_tflops=hardware["matmul_tflops"], hbm_GBps=hardware["copy_GBps"], intra=intra, **overrides)
 
 
-# H200 SXM ×4 measured by benchmarks/bench_gpt.py (docs/benchmarks.md); 8 ranks: the 1 GiB all-reduce
-# seen on an 8×H100 host of this workplace (KINDS.md); inter-node: an assumed 400 Gb/s NIC per GPU
-# (≈45 GB/s bus bandwidth, 20 µs), not measured here.
+# H200 SXM ×4 measured by benchmarks/bench_gpt.py (docs/benchmarks.md, run 5: latency of bursts of
+# small collectives); 8 ranks: the bandwidth of the 1 GiB all-reduce seen on an 8×H100 host of this
+# workplace (KINDS.md) with an assumed 40 µs; inter-node: an assumed 400 Gb/s NIC per GPU (≈45 GB/s
+# bus bandwidth, 20 µs), not measured here.
 DEFAULT_MACHINE = Machine(
     matmul_tflops=760.0,
     hbm_GBps=4100.0,
     intra={
-        "all_gather": {2: Link(244.0, 60.0), 4: Link(319.0, 73.0), 8: Link(360.0, 80.0)},
-        "reduce_scatter": {2: Link(246.0, 89.0), 4: Link(311.0, 74.0), 8: Link(360.0, 80.0)},
-        "all_reduce": {2: Link(305.0, 42.0), 4: Link(345.0, 56.0), 8: Link(361.0, 60.0)},
+        "all_gather": {2: Link(246.0, 59.0), 4: Link(347.0, 34.0), 8: Link(360.0, 40.0)},
+        "reduce_scatter": {2: Link(222.0, 53.0), 4: Link(292.0, 35.0), 8: Link(360.0, 40.0)},
+        "all_reduce": {2: Link(276.0, 38.0), 4: Link(319.0, 31.0), 8: Link(361.0, 40.0)},
     },
     inter={op: Link(45.0, 20.0) for op in OPS},
     memory_GiB=80.0,
@@ -193,8 +198,9 @@ def _strides(grid: tuple[int, int, int]) -> dict[str, int]:
 
 
 def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machine: Machine = None,
-               save_gathered: bool = True) -> Prediction:
-    """Predicted step of ``shape`` on ``grid`` with ``dp`` replicas (weight prefetch on)."""
+               save_gathered: bool = True, async_tp: bool = False) -> Prediction:
+    """Predicted step of ``shape`` on ``grid`` with ``dp`` replicas (weight prefetch on); with
+    ``async_tp``, the activation gathers and scatters next to a product run as collective matmuls."""
     m = machine or DEFAULT_MACHINE
     px, py, pz = grid
     cube = px * py * pz
@@ -211,6 +217,15 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
         moved = full_elements * BYTES * (g - 1) / g * (2 if op == "all_reduce" else 1)
         return m.link(op, g, _spans_nodes(m, strides[axis], g)).seconds(moved)
 
+    def exposed(t_coll: float, axis: str, t_mm: float) -> float:
+        """What a gather or scatter over ``axis`` next to a product of ``t_mm`` exposes: all of it,
+        or as a collective matmul its copies' excess over the product's other blocks and its barriers."""
+        g = sizes[axis]
+        if not async_tp or g == 1:
+            return t_coll
+        latency = m.link("all_gather", g, _spans_nodes(m, strides[axis], g)).latency_us * 1e-6
+        return max(0.0, t_coll - t_mm * (g - 1) / g) + m.pipeline_latencies * latency
+
     rate = m.matmul_tflops * 1e12 * m.gemm_efficiency
     # the four products of a block: (input axis r, feature axis f, in N, out K)
     products = [("y", "z", h, 3 * h), ("z", "y", h, h), ("y", "z", h, f), ("z", "y", f, h)]
@@ -226,9 +241,16 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
         ag_dc, rs_da, rs_dw = coll("all_gather", fa, c_full), coll("reduce_scatter", r, a_full), coll("reduce_scatter", "x", w_full)
         regather = 0.0 if save_gathered else max(ag_a, ag_w)
         comm += ag_a + ag_w + rs_c + ag_dc + rs_da + rs_dw + (0.0 if save_gathered else ag_a + ag_w)
-        fwd_exposed += ag_a + max(0.0, ag_w - t_mm) + rs_c  # W prefetched during the previous product
-        larger, smaller = max(rs_da, rs_dw), min(rs_da, rs_dw)
-        bwd_exposed += max(ag_dc, regather) + max(0.0, larger - t_mm) + smaller
+        # forward: the gather of A is fused with the product where r > 1, else the scatter of C
+        fused_ag = async_tp and sizes[r] > 1
+        fwd_exposed += exposed(ag_a, r, t_mm) + max(0.0, ag_w - t_mm) + (rs_c if fused_ag else exposed(rs_c, fa, t_mm))
+        if async_tp and sizes[fa] > 1:  # dC's gather fused into dA's product; dA's scatter hides behind dW's
+            bwd_exposed += max(exposed(ag_dc, fa, t_mm), regather) + max(0.0, rs_da - t_mm) + rs_dw
+        elif async_tp and sizes[r] > 1:  # dA's scatter fused; dW's hides behind it when dW runs first
+            bwd_exposed += max(ag_dc, regather) + exposed(rs_da, r, t_mm) + (max(0.0, rs_dw - t_mm) if rs_dw >= rs_da else rs_dw)
+        else:  # the larger scatter hides behind the other product, the smaller is exposed
+            larger, smaller = max(rs_da, rs_dw), min(rs_da, rs_dw)
+            bwd_exposed += max(ag_dc, regather) + max(0.0, larger - t_mm) + smaller
     fwd_exposed = fwd_exposed * L + coll("all_gather", "x", products[0][3] / py * h / pz)  # first weight of the step
     bwd_exposed *= L
     # latency-bound all-reduces: the biases' gradients (replicated over x and the feature axis),
@@ -326,15 +348,17 @@ def cube_grids(n: int) -> list[tuple[int, int, int]]:
             for py in range(1, n // px + 1) if (n // px) % py == 0]
 
 
-def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1d: bool = True) -> list[Prediction]:
-    """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest) and, with
-    ``include_1d``, every 1-D TP size up to a node with dp, sorted by predicted step time."""
+def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1d: bool = True,
+               async_tp: bool = False) -> list[Prediction]:
+    """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest; with
+    ``async_tp`` as collective matmuls) and, with ``include_1d``, every 1-D TP size up to a node
+    with dp, sorted by predicted step time."""
     m = machine or DEFAULT_MACHINE
     out = []
     for cube in (c for c in range(1, world + 1) if world % c == 0):
         for grid in cube_grids(cube):
             if grid_error(shape, grid, world // cube) is None:
-                out.append(predict_3d(shape, grid, world // cube, m))
+                out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp))
     if include_1d:
         for tp in (t for t in range(1, min(world, m.gpus_per_node) + 1) if world % t == 0):
             if shape.heads % tp == 0 and shape.batch % (world // tp) == 0:
@@ -347,17 +371,18 @@ def fits(p: Prediction, machine: Machine = None) -> bool:
 
 
 def best_grid(hidden: int, heads: int, seq: int, batch: int, layers: int, world: int,
-              machine: Machine = None, ffn: int | None = None) -> tuple[int, int, int]:
+              machine: Machine = None, ffn: int | None = None, async_tp: bool = False) -> tuple[int, int, int]:
     """The ``(px, py, pz)`` with the lowest predicted step time that fits in memory (dp = world /
     px·py·pz); the model is the global-batch GPT stack of ``hidden``, ``heads``, ``seq``, ``batch``
-    and ``layers``. This is what ``grid="auto"`` uses when the model's shape is known.
+    and ``layers``, its products collective matmuls with ``async_tp``. This is what
+    ``grid="auto"`` uses when the model's shape is known.
 
     Raises:
         ValueError: no grid divides the shape, or none fits in memory.
     """
     m = machine or DEFAULT_MACHINE
     shape = ModelShape(hidden, heads, seq, batch, layers, ffn)
-    options = candidates(shape, world, m, include_1d=False)
+    options = candidates(shape, world, m, include_1d=False, async_tp=async_tp)
     if not options:
         raise ValueError(f"no px·py·pz grid with dp filling {world} ranks divides hidden={hidden}, heads={heads}, batch={batch}; "
                          f"use a batch that is a multiple of {world} and heads/hidden divisible by the grid")

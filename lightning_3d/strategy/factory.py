@@ -133,7 +133,8 @@ def define_strategy(namespace: str, module_name: str) -> type:
 
         def setup_environment(self) -> None:
             super().setup_environment()
-            shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape)
+            shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape,
+                                       self.async_tp)
             self._grid = _grid(shape, dp, self.root_device.type, self._timeout, self.async_tp)
             set_grid(self._grid)
             self.lightning_module.grid = self._grid

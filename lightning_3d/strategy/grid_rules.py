@@ -40,7 +40,7 @@ def check_dp_arg(dp) -> str | int:
 
 
 def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices_per_node: int,
-            model_shape: planner.ModelShape | None = None) -> tuple[tuple[int, int, int], int]:
+            model_shape: planner.ModelShape | None = None, async_tp: bool = False) -> tuple[tuple[int, int, int], int]:
     """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
 
     ``grid="auto"`` with dp ``"auto"`` and a ``model_shape`` takes the cost model's fastest grid
@@ -52,7 +52,7 @@ def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices
     """
     if grid == "auto":
         if dp == "auto" and model_shape is not None:
-            shape = planner.best_grid(**dataclasses.asdict(model_shape), world=world)
+            shape = planner.best_grid(**dataclasses.asdict(model_shape), world=world, async_tp=async_tp)
             return shape, world // math.prod(shape)
         if dp == "auto":
             cube = math.gcd(devices_per_node, world)
