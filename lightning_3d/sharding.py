@@ -124,7 +124,8 @@ def get_spec(tensor: torch.Tensor) -> ShardSpec | None:
     return getattr(tensor, SPEC_ATTR, None)
 
 
-def replicated_grad_group(spec: ShardSpec, grid: Grid) -> dist.ProcessGroup | None:
-    """Group over which a parameter's gradient is summed inside the cube (None when not replicated)."""
-    axes = spec.replicated_axes
+def replicated_grad_group(spec: ShardSpec, grid: Grid, already_summed: str = "") -> dist.ProcessGroup | None:
+    """Group over which a parameter's gradient is summed inside the cube, leaving out the axes in
+    ``already_summed`` (None when nothing is left to sum)."""
+    axes = "".join(a for a in spec.replicated_axes if a not in already_summed)
     return grid.group(axes) if axes and grid.size(axes) > 1 else None

@@ -11,7 +11,8 @@ import pytest
 from lightning_3d import planner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "2026-11-26-h200x4*", "bench_w*.json")))
+RESULTS = sorted(path for run in ("2026-11-26-h200x4", "2026-11-26-h200x4-run3", "2026-11-26-h200x4-run5")
+                 for path in glob.glob(os.path.join(ROOT, "benchmarks", "results", run, "bench_w*.json")))
 A = planner.ModelShape(4096, 32, 2048, 8, 4)
 B = planner.ModelShape(8192, 64, 2048, 4, 2)
 

@@ -71,7 +71,7 @@ class Linear3D(Module3D):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "Linear3D input")
         directions = (self.input_layout.row_axis, "x", self.input_layout.feature_axis)
-        bias = use_replicated(self.bias, self.grid) if self.bias is not None else None
+        bias = use_replicated(self.bias, self.grid, grad_summed_over=directions[2]) if self.bias is not None else None
         return matmul_abt(x, self.weight, directions, self.grid, self.save_gathered, bias)
 
     def extra_repr(self) -> str:

@@ -9,7 +9,7 @@ from torch import nn
 from ..grid import Grid
 from ..layout import Layout, as_layout, check_local_activation
 from ..ops.norm import normalize
-from ..ops.replicated import use_replicated
+from ..ops.replicated import use_replicated_together
 from ..sharding import ShardSpec
 from .base import Module3D, init_sharded_, sharded_parameter
 
@@ -46,8 +46,7 @@ class _Norm3D(Module3D):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_local_activation(x, self.layout, self.normalized_shape[0], self.grid, f"{type(self).__name__} input")
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        weight = use_replicated(self.weight, self.grid) if self.weight is not None else None
-        bias = use_replicated(self.bias, self.grid) if self.bias is not None else None
+        weight, bias = use_replicated_together((self.weight, self.bias), self.grid)
         if self.grid.size(self.layout.feature_axis) == 1:  # whole rows on this rank: torch's fused kernel
             if self.center:
                 return F.layer_norm(x, self.normalized_shape, weight, bias, eps)

@@ -88,7 +88,7 @@ class FusedLinear3D(Module3D):
         px = self.grid.size("x")
         bias = None
         if self.bias is not None:  # in the product's column order [px, groups, out/(px·pr)], added inside the GEMM
-            bias = use_replicated(self.bias, self.grid).unflatten(-1, (px, -1)).transpose(0, 1).flatten()
+            bias = use_replicated(self.bias, self.grid, grad_summed_over=directions[2]).unflatten(-1, (px, -1)).transpose(0, 1).flatten()
         y = matmul_abt(x, self.weight.flatten(0, 1), directions, self.grid, self.save_gathered, bias)
         # The x all-gather stacked the weight blocks as [px, groups, out/(px·pr)]: regroup per group.
         return y.unflatten(-1, (px, self.groups, -1)).movedim(-2, 0).flatten(-2)

@@ -223,7 +223,8 @@ class _Matmul3D(torch.autograd.Function):
             else:
                 grads[k], done = comm.reduce_scatter_dim0(_mm(form, operands[x], operands[y]), groups[k], async_op=True)
             scatters.append(done)
-        grad_bias = grad_c.sum(tuple(range(grad_c.dim() - 1))) if ctx.needs_input_grad[2] else None
+        dc_full = operands[2]  # the bias's gradient sums C's whole group: dC as gathered over it
+        grad_bias = dc_full.sum(tuple(range(dc_full.dim() - 1))) if ctx.needs_input_grad[2] else None
         for done in scatters:
             done.wait()
         return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads + [grad_bias], ctx.dtypes)) + (None,)
@@ -239,6 +240,8 @@ def _product_scatter(plan: MatmulPlan, form: str, a, b, bias, group) -> torch.Te
 
 def _matmul(form: str, a, b, directions, grid, save_gathered, bias=None) -> torch.Tensor:
     grid = resolve_grid(grid)
+    if grid.cube_size == 1:  # nothing to gather or scatter: the plain product, under plain autograd
+        return _mm(form, a, b, bias)
     ga, gb, gc = (grid.group(axis) for axis in directions)
     prefetch = _active_prefetch if _is_parameter(b) else None
     return _Matmul3D.apply(a, b, bias, MatmulPlan(form, ga, gb, gc, save_gathered, prefetch, grid.async_tp))
@@ -260,8 +263,10 @@ def matmul_abt(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_
     """``C = A @ Bᵀ (+ bias)`` with ``b`` ``[k', n]`` (the layout of an ``nn.Linear`` weight); see :func:`matmul_ab`.
 
     ``bias`` ``[k]`` (C's local last dim) is added inside the GEMM of one rank of C's group,
-    before the reduce-scatter, so it is counted once and costs no extra pass over C; its
-    gradient is the sum of ``dC`` over this rank's rows.
+    before the reduce-scatter, so it is counted once and costs no extra pass over C. Its
+    gradient, on every rank of C's group, is the sum of ``dC`` over the rows of the whole group
+    (the gathered ``dC`` of backward): the caller sums it over the bias's other replicas only
+    (``use_replicated(bias, grid, grad_summed_over=directions[2])``).
     """
     return _matmul("abt", a, b, directions, grid, save_gathered, bias)
 
