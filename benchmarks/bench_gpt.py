@@ -488,7 +488,7 @@ def run_shape(run: Run, shape: Shape, main: bool, profile: bool, hw: dict) -> li
         r = results[-1]
         run.log(f"  {shape.name:28s} {r['case']:26s} " + (f"step {r['step_ms']:8.2f} ms  peak {r['peak_GiB']:6.2f} GiB  "
                                                           f"out err {r['out_rel_err_vs_dense']:.2e}" if "step_ms" in r else "skipped"))
-    if args.profile and profile and run.world > 1 and not run.cpu:
+    if args.profile and profile and (run.world > 1 or args.profile_cases) and not run.cpu:
         timed = [r for r in results if "step_ms" in r]
         best = [min((r for r in timed if r["kind"] == "3d" and r["dp"] == 1 and r["variant"] == v), key=lambda r: r["step_ms"])
                 for v in ("", "async-tp") if any(r["kind"] == "3d" and r["variant"] == v for r in timed)]

@@ -63,9 +63,8 @@ class Machine:
             overlaps (NCCL's SMs and memory traffic slow the GEMM; fitted: 0.4).
         peer_overhead_ms: per layer and step, the DTensor peer's dispatch cost not hidden
             behind its kernels (``predict_1d(..., anchor=True)``).
-        pipeline_latencies: what a collective matmul (``async_tp``) exposes besides its copies'
-            excess over the product: its barriers and the ranks' skew, in latencies of its
-            group's all-gather (fitted).
+        pipeline_us: what a collective matmul (``async_tp``) exposes besides its copies' excess
+            over the product: its barriers and the ranks' skew, µs per product (fitted).
     """
 
     matmul_tflops: float
@@ -81,7 +80,7 @@ class Machine:
     overhead_ms: float = 0.05
     overlap_cost: float = 0.4
     peer_overhead_ms: float = 1.5
-    pipeline_latencies: float = 4.0
+    pipeline_us: float = 60.0
 
     def link(self, op: str, size: int, spans_nodes: bool) -> Link:
         """The Link of ``op`` in a group of ``size`` ranks (the nearest measured size inside a node)."""
@@ -223,8 +222,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
         g = sizes[axis]
         if not async_tp or g == 1:
             return t_coll
-        latency = m.link("all_gather", g, _spans_nodes(m, strides[axis], g)).latency_us * 1e-6
-        return max(0.0, t_coll - t_mm * (g - 1) / g) + m.pipeline_latencies * latency
+        return max(0.0, t_coll - t_mm * (g - 1) / g) + m.pipeline_us * 1e-6
 
     rate = m.matmul_tflops * 1e12 * m.gemm_efficiency
     # the four products of a block: (input axis r, feature axis f, in N, out K)
@@ -256,7 +254,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     # latency-bound all-reduces: the biases' gradients (replicated over x and the feature axis),
     # the norms' (over x and y), and with pz > 1 the norms' statistics (4 in forward, 2 in backward)
     latency = m.link("all_reduce", cube, _spans_nodes(m, 1, cube)).latency_us * 1e-6
-    grad_reductions = 4 * (px * pz > 1 or px * py > 1) + 4 * (px * py > 1)
+    grad_reductions = 4 * (px > 1) + 2 * (px * py > 1)
     bwd_exposed += L * (grad_reductions + 2 * (pz > 1)) * latency
     fwd_exposed += L * 4 * (pz > 1) * latency
     comm += (grad_reductions + 6 * (pz > 1)) * latency
