@@ -316,7 +316,7 @@ def fused_linear_job(grid):
         w = torch.randn_like(y_ref)
         (y_ref * w).sum().backward()
         x = local(x_full.detach(), layout, grid).clone().requires_grad_()
-        y = mod(x)
+        y = torch.stack(mod(x))
         (y * torch.stack([local(wg, out_layout, grid) for wg in w])).sum().backward()
         errs[f"{layout}_out"] = rel(y.detach(), torch.stack([local(yg, out_layout, grid) for yg in y_ref.detach()]))
         errs[f"{layout}_dx"] = rel(x.grad, local(x_full.grad, layout, grid))

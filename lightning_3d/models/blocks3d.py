@@ -50,8 +50,7 @@ class MLP3D(nn.Module):
         self.dropout = Dropout3D(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.c_fc(x)
-        parts = hidden.unbind(0) if self.style == "llama" else (hidden,)
+        parts = self.c_fc(x) if self.style == "llama" else (self.c_fc(x),)
         return self.dropout(self.c_proj(mlp_activation(self.style, *parts)))
 
 

@@ -32,9 +32,10 @@ from ..sharding import ShardSpec, get_spec
 class FusedLinear3D(Module3D):
     """``groups`` stacked ``in → out`` linears on one input.
 
-    Input: a block ``[b/(px·pr), ..., in/pf]`` of ``input_layout``. Output:
-    ``[groups, b/(px·pf), ..., out/pr]`` in the other layout: entry ``g`` is group ``g``'s output
-    block ``j`` (``out`` cut by ``pr``), exactly what ``Linear3D(in, out)`` would give for that group.
+    Input: a block ``[b/(px·pr), ..., in/pf]`` of ``input_layout``. Output: a tuple of ``groups``
+    blocks ``[b/(px·pf), ..., out/pr]`` in the other layout (as the dense twin's ``chunk(groups, -1)``):
+    entry ``g`` is group ``g``'s output block ``j`` (``out`` cut by ``pr``), exactly what
+    ``Linear3D(in, out)`` would give for that group.
     """
 
     def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True,
@@ -82,7 +83,7 @@ class FusedLinear3D(Module3D):
             viewed[key] = t
         super().load_dense_state_dict(viewed, strict)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
         directions = (self.input_layout.row_axis, "x", self.input_layout.feature_axis)
         px = self.grid.size("x")
@@ -90,8 +91,10 @@ class FusedLinear3D(Module3D):
         if self.bias is not None:  # in the product's column order [px, groups, out/(px·pr)], added inside the GEMM
             bias = use_replicated(self.bias, self.grid, grad_summed_over=directions[2]).unflatten(-1, (px, -1)).transpose(0, 1).flatten()
         y = matmul_abt(x, self.weight.flatten(0, 1), directions, self.grid, self.save_gathered, bias)
-        # The x all-gather stacked the weight blocks as [px, groups, out/(px·pr)]: regroup per group.
-        return y.unflatten(-1, (px, self.groups, -1)).movedim(-2, 0).flatten(-2)
+        # The x all-gather stacked the weight blocks as [px, groups, out/(px·pr)]: regroup per group
+        # (a view when px = 1; unbind, not movedim, so that backward stacks the groups' gradients
+        # straight into the product's layout, with no copy).
+        return tuple(part.flatten(-2) for part in y.unflatten(-1, (px, self.groups, -1)).unbind(-2))
 
     def extra_repr(self) -> str:
         return self._describe(in_features=self.in_features, out_features=self.out_features, groups=self.groups,
