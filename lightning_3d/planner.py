@@ -11,6 +11,9 @@ latency. It then charges only the communication the implementation cannot hide:
   and costs only what that product does not cover (all of it for the first product of a step).
 - 3-D backward: the gradient all-gather; the larger of the two reduce-scatters hides behind the
   other product, the smaller is exposed; the re-gathers when gathered operands are not saved.
+- With ``async_tp`` (collective matmuls, :mod:`~lightning_3d.ops.async_tp`): a fused gather or
+  scatter exposes only its copies' excess over the product's other blocks and a fixed cost per
+  product (barriers, skew); dC's gather fuses into dA's product, or dA's scatter into its own.
 - 1-D (Megatron, DTensor Colwise/Rowwise): two all-reduces of the activations per block in
   forward and two in backward, none hidden; LayerNorms and residuals run replicated on every rank.
 - Data parallelism: one all-reduce of the gradients after backward.
