@@ -60,6 +60,8 @@ def test_bad_grid_raises(shape, world, dp, message):
 def init_mismatch_job():
     with pytest.raises(ValueError, match="launch 12 processes"):
         init_grid((2, 2, 1), 3)
+    with pytest.raises(ValueError, match="async_tp=True runs on 'cuda' or 'cpu' grids, not 'meta': pass async_tp=False"):
+        init_grid((2, 2, 2), device_type="meta", async_tp=True)
     return True
 
 
