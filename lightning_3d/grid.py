@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -91,7 +92,7 @@ class Grid:
 
     def __repr__(self) -> str:
         px, py, pz = self.shape
-        return f"Grid({px}×{py}×{pz}, dp={self.data_parallel_size}, coords={self.coords})"
+        return f"Grid({px}×{py}×{pz}, dp={self.data_parallel_size}, coords={self.coords}{', async_tp' if self.async_tp else ''})"
 
 
 def _check_shape(shape: tuple[int, int, int], world: int, dp: int | None) -> tuple[tuple[int, int, int], int]:
@@ -116,6 +117,14 @@ def _check_shape(shape: tuple[int, int, int], world: int, dp: int | None) -> tup
             f"launch {dp * cube} processes or change the grid / data_parallel_size"
         )
     return shape, dp
+
+
+def _ranks_per_node(device_type: str, world: int) -> int:
+    """Ranks on this node: the launcher's ``LOCAL_WORLD_SIZE``, else the visible GPUs (CUDA), else all."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local:
+        return int(local)
+    return torch.cuda.device_count() if device_type == "cuda" else world
 
 
 def _default_timeout() -> datetime.timedelta | None:
@@ -176,7 +185,7 @@ def init_grid(
     if async_tp:
         from .ops.async_tp import check_available
 
-        check_available(device_type)
+        check_available(device_type, shape[0] * shape[1] * shape[2], _ranks_per_node(device_type, world))
     timeout = timeout if timeout is not None else _default_timeout()
     mesh_shape = (dp,) + shape
     opts = _backend_options(backend, timeout)

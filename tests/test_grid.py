@@ -65,6 +65,14 @@ def init_mismatch_job():
     return True
 
 
+def test_async_tp_refuses_a_cube_across_nodes():
+    from lightning_3d.ops.async_tp import check_available
+
+    check_available("cuda", 4, 8)
+    with pytest.raises(ValueError, match=r"every cube of px·py·pz = 8 ranks on one node .* a node runs 4 ranks: use a grid whose px·py·pz divides 4"):
+        check_available("cuda", 8, 4)
+
+
 def test_init_grid_rejects_wrong_world_on_real_group():
     assert all(harness.run(8, init_mismatch_job))
 

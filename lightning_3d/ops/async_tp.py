@@ -33,8 +33,10 @@ from .. import comm
 FORMS = ("ab", "abt")  # the local products whose output rows are the rows of a
 
 
-def check_available(device_type: str) -> None:
-    """Raise a ValueError naming the fix when collective matmuls cannot run on ``device_type``."""
+def check_available(device_type: str, cube_size: int, ranks_per_node: int) -> None:
+    """Raise a ValueError naming the fix when collective matmuls cannot run: a device other than
+    CUDA or CPU, no symmetric memory in this torch, or a CUDA cube that spans nodes (its ranks
+    must map each other's memory)."""
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"async_tp=True runs on 'cuda' or 'cpu' grids, not {device_type!r}: pass async_tp=False")
     if device_type == "cuda":
@@ -43,6 +45,10 @@ def check_available(device_type: str) -> None:
         except ImportError as e:
             raise ValueError(f"async_tp=True needs torch.distributed._symmetric_memory, missing from torch {torch.__version__}: "
                              "pass async_tp=False or upgrade torch") from e
+        if ranks_per_node % cube_size:
+            raise ValueError(f"async_tp=True needs every cube of px·py·pz = {cube_size} ranks on one node (one NVLink domain), "
+                             f"but a node runs {ranks_per_node} ranks: use a grid whose px·py·pz divides {ranks_per_node}, "
+                             "or pass async_tp=False")
 
 
 _enabled: set[str] = set()
