@@ -31,6 +31,8 @@ import torch.distributed as dist
 from .. import comm
 
 FORMS = ("ab", "abt")  # the local products whose output rows are the rows of a
+# PyTorch's private pipeline helpers used on CUDA (torch 2.5 to at least 2.13)
+PIPELINES = ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all")
 
 
 def check_available(device_type: str, cube_size: int, ranks_per_node: int) -> None:
@@ -41,10 +43,14 @@ def check_available(device_type: str, cube_size: int, ranks_per_node: int) -> No
         raise ValueError(f"async_tp=True runs on 'cuda' or 'cpu' grids, not {device_type!r}: pass async_tp=False")
     if device_type == "cuda":
         try:
-            import torch.distributed._symmetric_memory  # noqa: F401
+            import torch.distributed._symmetric_memory as symm_mem
         except ImportError as e:
             raise ValueError(f"async_tp=True needs torch.distributed._symmetric_memory, missing from torch {torch.__version__}: "
                              "pass async_tp=False or upgrade torch") from e
+        missing = [name for name in PIPELINES if not hasattr(symm_mem, name)]
+        if missing:
+            raise ValueError(f"async_tp=True needs PyTorch's symmetric-memory pipelines {missing}, missing from torch "
+                             f"{torch.__version__}: pass async_tp=False")
         if ranks_per_node % cube_size:
             raise ValueError(f"async_tp=True needs every cube of px·py·pz = {cube_size} ranks on one node (one NVLink domain), "
                              f"but a node runs {ranks_per_node} ranks: use a grid whose px·py·pz divides {ranks_per_node}, "
