@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .. import comm
 
 FORMS = ("ab", "abt")  # the local products whose output rows are the rows of a
-# PyTorch's private pipeline helpers used on CUDA (torch 2.5 to at least 2.13)
+# PyTorch's private pipeline helpers used on CUDA (present in torch 2.11 and 2.13)
 PIPELINES = ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all")
 
 
