@@ -186,7 +186,7 @@ class _Matmul3D(torch.autograd.Function):
             a_full, c = async_tp.all_gather_matmul(plan.form, a, b_full, bias, plan.group_a)
             c, _ = comm.reduce_scatter_dim0(c, plan.group_c)
         else:
-            c = _product_scatter(plan, plan.form, a_full, b_full, bias, plan.group_c)
+            c, _ = _product_scatter(plan, plan.form, a_full, b_full, bias, plan.group_c)
         ctx.save_for_backward(*((a_full, b_full) if plan.save_gathered else (a, _cast(b, cast))))
         return c
 
@@ -218,10 +218,8 @@ class _Matmul3D(torch.autograd.Function):
             if k == 0 and fuse_gather:
                 operands[2], product = async_tp.all_gather_matmul(form, grad_c.to(a.dtype), operands[y], None, plan.group_c)
                 grads[0], done = comm.reduce_scatter_dim0(product, groups[0], async_op=True)
-            elif plan.fused(form, groups[k]):
-                grads[k], done = async_tp.matmul_reduce_scatter(form, operands[x], operands[y], None, groups[k]), comm.DONE
             else:
-                grads[k], done = comm.reduce_scatter_dim0(_mm(form, operands[x], operands[y]), groups[k], async_op=True)
+                grads[k], done = _product_scatter(plan, form, operands[x], operands[y], None, groups[k], async_op=True)
             scatters.append(done)
         dc_full = operands[2]  # the bias's gradient sums C's whole group: dC as gathered over it
         grad_bias = dc_full.sum(tuple(range(dc_full.dim() - 1))) if ctx.needs_input_grad[2] else None
@@ -230,12 +228,12 @@ class _Matmul3D(torch.autograd.Function):
         return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads + [grad_bias], ctx.dtypes)) + (None,)
 
 
-def _product_scatter(plan: MatmulPlan, form: str, a, b, bias, group) -> torch.Tensor:
-    """``reduce_scatter_dim0(a ⊗ b + bias, group)``, as a collective matmul when the plan fuses it."""
+def _product_scatter(plan: MatmulPlan, form: str, a, b, bias, group, async_op: bool = False):
+    """``reduce_scatter_dim0(a ⊗ b + bias, group)`` and its handle; a collective matmul (done on
+    return) when the plan fuses it."""
     if plan.fused(form, group):
-        return async_tp.matmul_reduce_scatter(form, a, b, bias, group)
-    c, _ = comm.reduce_scatter_dim0(_mm(form, a, b, bias), group)
-    return c
+        return async_tp.matmul_reduce_scatter(form, a, b, bias, group), comm.DONE
+    return comm.reduce_scatter_dim0(_mm(form, a, b, bias), group, async_op=async_op)
 
 
 def _matmul(form: str, a, b, directions, grid, save_gathered, bias=None) -> torch.Tensor:
