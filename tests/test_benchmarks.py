@@ -31,3 +31,42 @@ def test_bench_gpt_smoke_on_cpu(tmp_path):
         # float32 on the same weights: every model computes the dense model's function
         assert c["out_rel_err_vs_dense"] < 1e-5 and c["loss_rel_diff_vs_dense"] < 1e-5, c
     assert "| 3d 2x1x1 |" in proc.stdout and "Strong scaling" in proc.stdout
+
+
+def _train_job(tmp_path, world: int, model: str, cases: str) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+           os.path.join(ROOT, "benchmarks", "train_job.py"), "--cpu", "--model", model, "--cases", cases, "--out", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(tmp_path / f"job_w{world}_{model}_nvlink.json") as f:
+        return json.load(f)
+
+
+def _check_same_job(data: dict, labels: list[str]) -> None:
+    """Every case ran its steps and, on the same weights and data in float32, had the same losses."""
+    cases = data["cases"]
+    assert [c["case"] for c in cases] == labels
+    reference = cases[0]["losses"]
+    assert len(reference) == 3 and all(2 < v < 10 for v in reference)
+    for c in cases:
+        assert "error" not in c, c
+        assert c["step_ms"] > 0 and c["tokens_per_s"] > 0 and len(c["step_ms_each"]) == 4, c
+        assert abs(c["losses"][0] - reference[0]) < 1e-5 * reference[0], (c["case"], c["losses"], reference)
+        assert all(abs(a - b) < 1e-4 * b for a, b in zip(c["losses"], reference)), (c["case"], c["losses"], reference)
+    assert len(set(round(v, 3) for v in reference)) > 1  # the optimizer steps change the loss
+
+
+def test_train_job_smoke_on_cpu(tmp_path):
+    """The whole-job benchmark on 2 ranks: every 3-D grid (auto, async) and each eager peer train the same model alike."""
+    labels = ["3d 2x1x1", "3d 1x2x1 async", "3d 1x1x2", "3d 1x1x1 dp2", "3d auto", "tp-sp", "tp", "fsdp2", "ddp"]
+    data = _train_job(tmp_path, 2, "tiny-gpt2", ";".join(labels))
+    _check_same_job(data, labels)
+    assert data["cases"][4]["picks"].startswith("3d ")
+    assert data["meta"]["tokens_per_step"] == 8 * 16 and data["meta"]["flops_per_step"] > 0
+
+
+def test_train_job_2d_peer_and_llama_on_cpu(tmp_path):
+    """On 4 ranks the Llama-style model: FSDP2 × TP+SP and 3-D grids with dp agree with plain TP+SP."""
+    labels = ["tp-sp", "fsdp2-tp 2x2", "3d 2x2x1 async", "3d 1x2x1 dp2"]
+    _check_same_job(_train_job(tmp_path, 4, "tiny-llama", ";".join(labels)), labels)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole-job benchmark (train_job.py) on one host of 4 GPUs, in one call. Modes, run in the order given:
+#   nvlink   both models on 4 GPUs, every default case (NVLink)
+#   p2p-off  both models on 4 GPUs with NCCL_P2P_DISABLE=1 (traffic through host memory; no async cases)
+#   small    both models on 2 GPUs (GPUs 0,1) and on 1 GPU (GPU 3), side by side
+# Each torchrun gets a time budget (BUDGET_S seconds, default 240): cases that would end later are
+# recorded as not run. Results: $OUT/job_w{N}_{model}_{links}.json and log_{mode}.txt.
+set -u
+OUT=${OUT:-out}
+BUDGET_S=${BUDGET_S:-240}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+MODELS="gpt2-1.3b llama-7b"
+P2P_CASES="3d 1x2x1 dp2;3d 4x1x1;3d 2x2x1;3d auto;tp-sp compile;fsdp2 compile;3d 1x1x1 dp4;3d 2x1x1 dp2;3d 1x4x1;fsdp2-tp 2x2 compile;ddp;tp-sp;fsdp2;tp"
+job() {
+  local n=$1; shift
+  timeout $((BUDGET_S + 90)) python3 -m torch.distributed.run --standalone --nproc_per_node "$n" "$(dirname "$0")/train_job.py" \
+    --out "$OUT" --budget-s "$BUDGET_S" "$@"
+}
+for mode in "$@"; do
+  case $mode in
+    nvlink) for m in $MODELS; do job 4 --model "$m"; done 2>&1 | tee "$OUT/log_nvlink.txt" ;;
+    p2p-off) for m in $MODELS; do NCCL_P2P_DISABLE=1 job 4 --model "$m" --links p2p-off --cases "$P2P_CASES"; done 2>&1 | tee "$OUT/log_p2p-off.txt" ;;
+    small)
+      (for m in $MODELS; do CUDA_VISIBLE_DEVICES=3 job 1 --model "$m"; done > "$OUT/log_w1.txt" 2>&1) &
+      (for m in $MODELS; do CUDA_VISIBLE_DEVICES=0,1 job 2 --model "$m"; done > "$OUT/log_w2.txt" 2>&1) &
+      wait
+      cat "$OUT/log_w1.txt" "$OUT/log_w2.txt" > "$OUT/log_small.txt" && rm "$OUT/log_w1.txt" "$OUT/log_w2.txt" ;;
+    *) echo "unknown mode $mode: use nvlink, p2p-off or small" >&2; exit 2 ;;
+  esac
+done

@@ -1,0 +1,436 @@
+"""The user's whole training job: 3-D tensor parallelism against torchtitan's recipes, DDP and FSDP2.
+
+Launch one process per GPU: ``torchrun --nproc_per_node N benchmarks/train_job.py --model gpt2-1.3b
+--out DIR`` (``benchmarks/run_job.sh`` runs both models on 4 GPUs, NVLink or ``NCCL_P2P_DISABLE=1``).
+``--cpu`` runs tiny models on gloo in float32: the smoke test of CI (``tests/test_benchmarks.py``).
+
+Every case trains the same model (one set of weights: ``DenseGPT``'s init, seed 0) on the same
+data (random tokens, seed 1) with the same global batch for a fixed number of steps, each step the
+whole job: forward of embedding, blocks, LM head and loss under bf16 mixed precision with float32
+master weights, backward, the gradient reduction over data parallelism, clipping by the global
+gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defaults`` per GPU count):
+
+- ``3d PXxPYxPZ [dpD] [async]``: :class:`~lightning_3d.models.GPT3D` through the steps
+  ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
+  autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
+  ``async_tp=True``; ``3d auto [async]``: the grid ``grid="auto"`` picks from the model's shape.
+- ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
+  sequence parallelism, each block compiled, async TP (``peers_job.py``: torchtitan's recipe).
+- ``fsdp2`` (``compile``): FSDP2 over every GPU; ``fsdp2-tp DxT`` (``compile``): FSDP2 over D × TP+SP over T.
+- ``ddp`` (``compile``): plain data parallelism (one GPU: the dense model alone).
+
+Reported per case: median step ms over the timed steps (CUDA events, max over ranks), tokens/s,
+TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
+(``max_memory_allocated`` during the steps above what was allocated before the model was built,
+max over ranks), the first step's time (compilation included) and the loss of the first three
+steps (mean over the global batch). Results go to ``DIR/job_w{N}_{model}_{links}.json`` after every
+case, so a run stopped by its time budget keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import measure  # noqa: E402
+import peers_job  # noqa: E402
+import lightning_3d  # noqa: E402
+from lightning_3d.grad_norm import clip_grad_norm_  # noqa: E402
+from lightning_3d.models import GPT3D, DenseGPT, GPTConfig  # noqa: E402
+from lightning_3d.ops.matmul import WeightPrefetch  # noqa: E402
+from lightning_3d.planner import ModelShape  # noqa: E402
+from lightning_3d.strategy import grid_rules  # noqa: E402
+
+# name → (GPTConfig fields, global batch, sequence length)
+MODELS = {
+    "gpt2-1.3b": (dict(style="gpt2", vocab_size=50304, n_embd=2048, n_head=16, n_layer=24), 8, 2048),
+    "llama-7b": (dict(style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_layer=8, ffn_hidden=11008), 8, 2048),
+    "tiny-gpt2": (dict(style="gpt2", vocab_size=128, n_embd=32, n_head=4, n_layer=2), 8, 16),
+    "tiny-llama": (dict(style="llama", vocab_size=128, n_embd=32, n_head=4, n_layer=2, ffn_hidden=48), 8, 16),
+}
+LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
+LOSS_STEPS = 3
+
+DEFAULT_CASES = {
+    4: ["3d 1x4x1 async", "3d 4x1x1", "3d 2x2x1", "3d auto", "3d auto async", "tp-sp compile async", "tp-sp compile",
+        "fsdp2 compile", "tp-sp", "fsdp2", "fsdp2-tp 2x2 compile", "ddp", "tp", "3d 1x4x1", "3d 2x2x1 async",
+        "3d 1x1x1 dp4", "3d 1x2x1 dp2 async", "3d 1x2x1 dp2", "3d 2x1x1 dp2", "fsdp2-tp 2x2", "3d 1x2x2", "3d 2x1x2",
+        "3d 1x1x4", "3d 1x1x2 dp2", "3d 1x2x2 async", "3d 2x1x2 async", "3d 1x1x4 async"],
+    2: ["3d 2x1x1", "3d 1x2x1 async", "3d 1x2x1", "3d auto", "3d auto async", "tp-sp compile async", "tp-sp compile",
+        "fsdp2 compile", "tp-sp", "fsdp2", "ddp", "tp", "3d 1x1x1 dp2", "3d 1x1x2", "3d 1x1x2 async"],
+    1: ["3d 1x1x1", "ddp compile", "ddp"],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One way to train: ``kind`` 3d / tp / tp-sp / fsdp2 / fsdp2-tp / ddp and its options."""
+
+    kind: str
+    grid: tuple[int, int, int] | None = None  # 3d; None = "auto"
+    dp: int = 1  # 3d, fsdp2-tp
+    tp: int = 1  # fsdp2-tp
+    async_tp: bool = False
+    compile: bool = False
+
+    @classmethod
+    def parse(cls, text: str, world: int) -> Method:
+        """``"3d 1x4x1 async"``, ``"3d 1x2x1 dp2"``, ``"3d auto"``, ``"tp-sp compile async"``, ``"fsdp2-tp 2x2 compile"``, ``"ddp"``."""
+        words = text.split()
+        kind, opts = words[0], words[1:]
+        if kind not in ("3d", "tp", "tp-sp", "fsdp2", "fsdp2-tp", "ddp"):
+            raise ValueError(f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp")
+        fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts}
+        for w in opts:
+            if "x" in w:
+                dims = tuple(int(d) for d in w.split("x"))
+                if kind == "3d":
+                    fields["grid"] = dims
+                else:
+                    fields["dp"], fields["tp"] = dims
+            elif w.startswith("dp"):
+                fields["dp"] = int(w[2:])
+            elif w not in ("auto", "async", "compile"):
+                raise ValueError(f"case {text!r}: unknown word {w!r}")
+        method = cls(**fields)
+        if kind == "3d" and method.grid is not None and method.dp * math.prod(method.grid) != world:
+            raise ValueError(f"case {text!r}: dp·px·py·pz = {method.dp * math.prod(method.grid)}, the world has {world} ranks")
+        if kind == "fsdp2-tp" and method.dp * method.tp != world:
+            raise ValueError(f"case {text!r}: dp·tp = {method.dp * method.tp}, the world has {world} ranks")
+        return method
+
+    @property
+    def label(self) -> str:
+        if self.kind == "3d":
+            where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
+            return f"3d {where}" + (" async" if self.async_tp else "")
+        where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
+        return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "")
+
+
+@dataclasses.dataclass
+class Job:
+    """A model ready to train: its step on ``(ids, targets)`` (returns the loss), this rank's rows of
+    the global batch, and the group over which the loss is averaged into the global batch's mean."""
+
+    step: object
+    rows: slice
+    loss_group: object
+    info: dict
+
+
+class Run:
+    """This process: rank, device, and the grids and meshes built so far (group creation is collective, reused)."""
+
+    def __init__(self, cpu: bool):
+        self.cpu = cpu
+        self.device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._grids: dict = {}
+        self._meshes: dict = {}
+
+    def grid(self, shape, dp, async_tp):
+        key = (shape, dp, async_tp)
+        if key not in self._grids:
+            self._grids[key] = lightning_3d.init_grid(shape, dp, async_tp=async_tp)
+        lightning_3d.set_grid(self._grids[key])
+        return self._grids[key]
+
+    def mesh(self, dp: int, tp: int):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if (dp, tp) not in self._meshes:
+            self._meshes[(dp, tp)] = init_device_mesh(self.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        return self._meshes[(dp, tp)]
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if not self.cpu else contextlib.nullcontext()
+
+    def log(self, *msg) -> None:
+        if self.rank == 0:
+            print(*msg, flush=True)
+
+
+def step_flops(config: GPTConfig, batch: int, seq: int) -> float:
+    """Forward + backward FLOPs of one step: 3 × (2 · tokens · matmul weights + the attention scores)."""
+    h, f, L = config.n_embd, config.ffn_hidden, config.n_layer
+    mlp = (3 if config.style == "llama" else 2) * h * f
+    weights = L * (4 * h * h + mlp) + config.vocab_size * h
+    return 3 * (2 * batch * seq * weights + L * 4 * batch * seq * seq * h)
+
+
+def fused_adamw(params, run: Run) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=not run.cpu)
+
+
+# ---------------------------------------------------------------- building each method
+
+
+def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:
+    """GPT3D through the strategy's steps: DDP over dp, global-norm clipping, bf16 autocast, AdamW."""
+    grid = run.grid(method.grid, method.dp, method.async_tp)
+    model = GPT3D(config, grid, device=run.device)
+    model.load_dense_state_dict(dense)
+    if grid.shape[0] > 1:
+        WeightPrefetch().attach(model)
+    params = list(model.parameters())
+    if method.dp > 1:
+        model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device], process_group=grid.group("dp"))
+    optimizer = fused_adamw(params, run)
+
+    def step(ids, targets):
+        with run.autocast():
+            loss = model(ids, targets)
+        loss.backward()
+        clip_grad_norm_(params, CLIP, grid)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    per = batch // method.dp
+    d = grid.coord("dp")
+    return Job(step, slice(d * per, (d + 1) * per), grid.group("dp") if method.dp > 1 else None, {"grid": list(grid.shape), "dp": method.dp})
+
+
+def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:
+    """A peer of ``peers_job.py``: torchtitan's order (TP, compile, FSDP), its mixed precision and clipping."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    world, kind = run.world, method.kind
+    model = peers_job.PeerGPT(config, device=run.device)
+    model.load_state_dict(peers_job.peer_state_dict(dense, config))
+    inductor_config._micro_pipeline_tp = False
+    tp_mesh = dp_mesh = None
+    if kind in ("tp", "tp-sp"):
+        tp_mesh = run.mesh(1, world)["tp"]
+    elif kind == "fsdp2":
+        dp_mesh = run.mesh(world, 1)["dp"]
+    elif kind == "fsdp2-tp":
+        mesh = run.mesh(method.dp, method.tp)
+        dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        peers_job.apply_tp(model, tp_mesh, sequence_parallel=kind != "tp")
+        if method.async_tp:
+            peers_job.enable_async_tp(tp_mesh)
+    if method.compile:
+        torch._dynamo.reset()
+        peers_job.apply_compile(model)
+    if dp_mesh is not None:
+        peers_job.apply_fsdp(model, dp_mesh)
+    params = list(model.parameters())
+    if kind == "ddp" and world > 1:
+        model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device])
+    optimizer = fused_adamw(params, run)
+    sharded_logits = tp_mesh is not None and tp_mesh.size() > 1
+    precision = contextlib.nullcontext() if dp_mesh is not None else run.autocast()
+
+    def step(ids, targets):
+        with loss_parallel() if sharded_logits else contextlib.nullcontext():
+            with precision:
+                loss = peers_job.cross_entropy(model(ids), targets)
+            loss.backward()
+        peers_job.clip_grad_norm_(params, CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    if kind in ("fsdp2", "ddp"):
+        replicas, replica, group = world, run.rank, dist.group.WORLD if world > 1 else None
+    elif kind == "fsdp2-tp":
+        replicas, replica, group = method.dp, dp_mesh.get_local_rank(), dp_mesh.get_group()
+    else:
+        replicas, replica, group = 1, 0, None
+    per = batch // replicas
+    return Job(step, slice(replica * per, (replica + 1) * per), group, {})
+
+
+def resolve_auto(run: Run, method: Method, config: GPTConfig, batch: int, seq: int) -> Method:
+    """``3d auto``: the grid and dp ``Tensor3DStrategy(grid="auto", model_shape=...)`` resolves to."""
+    shape = ModelShape(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden)
+    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, shape, method.async_tp)
+    return dataclasses.replace(method, grid=tuple(grid), dp=dp)
+
+
+# ---------------------------------------------------------------- running one case
+
+
+def free_memory(run: Run) -> None:
+    gc.collect()
+    if not run.cpu:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data, batch: int, seq: int, warmup: int, steps: int) -> dict:
+    free_memory(run)
+    cuda = not run.cpu
+    base = torch.cuda.memory_allocated(run.device) if cuda else 0
+    t0 = time.perf_counter()
+    dense = {k: v.to(run.device) for k, v in dense_cpu.items()}
+    build = build_3d if method.kind == "3d" else build_peer
+    job = build(run, method, config, dense, batch)
+    del dense
+    free_memory(run)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(run.device)
+    build_s = time.perf_counter() - t0
+    timer = measure.Timer(run.device)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        ids, targets = (t[job.rows] for t in data[i % len(data)])
+        timer.mark()
+        loss = job.step(ids, targets)
+        timer.mark()
+        times += timer.split()
+        if i < LOSS_STEPS:
+            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+            losses.append(loss.detach().float().reshape(()))
+    peak = (torch.cuda.max_memory_allocated(run.device) - base) / 2**30 if cuda else 0.0
+    loss_t = torch.stack(losses).to(run.device)
+    if job.loss_group is not None:
+        dist.all_reduce(loss_t, group=job.loss_group)
+        loss_t /= dist.get_world_size(job.loss_group)
+    median, first, peak = measure.all_reduce_max([statistics.median(times[warmup:]), times[0], peak], run.device)
+    del job
+    free_memory(run)
+    return {"step_ms": median, "first_step_s": first / 1e3, "build_s": build_s, "peak_GiB": peak, "losses": loss_t.tolist(),
+            "step_ms_each": times}
+
+
+def agreed(ok: bool, run: Run) -> bool:
+    """True when every rank passes ``ok`` (a case failed on any rank counts as failed everywhere)."""
+    flag = torch.tensor([0.0 if ok else 1.0], device=run.device)
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU, float32, a tiny model (smoke test)")
+    parser.add_argument("--model", default=None, help=f"one of {sorted(MODELS)} (default gpt2-1.3b; tiny-gpt2 with --cpu)")
+    parser.add_argument("--layers", type=int, default=None, help="override the model's layers")
+    parser.add_argument("--batch", type=int, default=None, help="global batch in sequences (the same for every case)")
+    parser.add_argument("--cases", default="defaults", help="';'-separated cases in order, or 'defaults' (see the module doc)")
+    parser.add_argument("--links", default="nvlink", choices=("nvlink", "p2p-off"),
+                        help="a tag for the links; p2p-off (NCCL_P2P_DISABLE=1) drops async cases: symmetric memory bypasses NCCL's setting")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--budget-s", type=float, default=1e9, help="start no case that would end after this many seconds")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    cpu = args.cpu
+    dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(seconds=600))
+    run = Run(cpu)
+    if not cpu:
+        torch.cuda.set_device(run.device)
+    started = time.perf_counter()
+    name = args.model or ("tiny-gpt2" if cpu else "gpt2-1.3b")
+    fields, batch, seq = MODELS[name]
+    fields = dict(fields, n_layer=args.layers or fields["n_layer"])
+    batch = args.batch or batch
+    config = GPTConfig(block_size=seq, dropout=0.0, tie_embeddings=False, **fields)
+    warmup, steps = args.warmup or (2 if cpu else 3), args.steps or (2 if cpu else 6)
+    texts = DEFAULT_CASES[run.world] if args.cases == "defaults" else [t.strip() for t in args.cases.split(";") if t.strip()]
+    methods = [Method.parse(t, run.world) for t in texts]
+    if args.links == "p2p-off":
+        methods = [m for m in methods if not m.async_tp]
+
+    torch.manual_seed(0)
+    dense_cpu = {k: v.cpu() if cpu else v.cpu().pin_memory() for k, v in DenseGPT(config, device=run.device).state_dict().items()}
+    n_params = sum(v.numel() for v in dense_cpu.values())
+    gen = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(4):
+        ids = torch.randint(config.vocab_size, (batch, seq + 1), generator=gen).to(run.device)
+        data.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    flops = step_flops(config, batch, seq)
+    if cpu:
+        matmul = measure.matmul_tflops(run.device, torch.float32, 256, 5)
+    else:
+        matmul = measure.matmul_tflops(run.device, torch.bfloat16, 8192)
+    matmul = -measure.all_reduce_max([-matmul], run.device)[0]
+    meta = {"world": run.world, "device": "cpu" if cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "nccl": None if cpu else ".".join(map(str, torch.cuda.nccl.version())),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": os.environ.get("BENCH_COMMIT", ""), "argv": sys.argv, "links": args.links,
+            "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""), "warmup": warmup, "steps": steps,
+            "model": name, "config": dataclasses.asdict(config), "params": n_params, "batch": batch, "seq": seq,
+            "tokens_per_step": batch * seq, "flops_per_step": flops, "matmul_tflops": matmul,
+            "precision": "fp32 (cpu)" if cpu else "bf16 mixed, fp32 master weights", "optimizer": f"AdamW lr {LR} wd {WEIGHT_DECAY}, fused",
+            "clip": CLIP}
+    run.log(f"{name}: {n_params / 1e9:.2f}B parameters, batch {batch}×{seq}, world {run.world} on {meta['device']}, "
+            f"links {args.links}, matmul {matmul:.0f} TFLOP/s")
+    path = os.path.join(args.out, f"job_w{run.world}_{name}_{args.links}.json")
+    os.makedirs(args.out, exist_ok=True)
+    cases: list[dict] = []
+    done: dict[str, dict] = {}
+    cost = {False: 30.0 if not cpu else 1.0, True: 120.0 if not cpu else 1.0}  # seconds a case takes, updated as measured
+    for method in methods:
+        label = method.label
+        entry = {"case": label}
+        if method.kind == "3d" and method.grid is None:
+            try:
+                method = resolve_auto(run, method, config, batch, seq)
+            except ValueError as e:
+                cases.append(dict(entry, error=f"auto: {e}"))
+                continue
+            entry["picks"] = method.label
+        if method.label in done and label != method.label:
+            cases.append(dict(done[method.label], case=label, picks=method.label))
+            run.log(f"  {label:24s} = {method.label}")
+            continue
+        elapsed = time.perf_counter() - started
+        if elapsed + cost[method.compile] > args.budget_s:
+            cases.append(dict(entry, error=f"not run: time budget ({elapsed:.0f} s of {args.budget_s:.0f} s spent)"))
+            run.log(f"  {label:24s} not run (time budget)")
+            continue
+        t0 = time.perf_counter()
+        error = None
+        try:
+            result = run_case(run, method, config, dense_cpu, data, batch, seq, warmup, steps)
+        except Exception as e:  # a case that fails (out of memory, a peer's limits) is recorded, the rest still run
+            error = f"{type(e).__name__}: {str(e)[:400]}"
+            result = {}
+            free_memory(run)
+        if not agreed(error is None, run):
+            result = {"error": error or "failed on another rank"}
+        else:
+            s = result["step_ms"] / 1e3
+            result.update(tokens_per_s=batch * seq / s, tflops_per_gpu=flops / s / run.world / 1e12,
+                          mfu=flops / s / run.world / (matmul * 1e12))
+        cost[method.compile] = max(cost[method.compile], time.perf_counter() - t0)
+        entry.update(method=dataclasses.asdict(method), **result)
+        cases.append(entry)
+        done[method.label] = entry
+        if "error" in result:
+            run.log(f"  {label:24s} FAILED {result['error']}")
+        else:
+            run.log(f"  {label:24s} {result['step_ms']:8.1f} ms {result['tokens_per_s']:9.0f} tok/s MFU {result['mfu']:.1%} "
+                    f"peak {result['peak_GiB']:6.2f} GiB loss {' '.join(f'{v:.5f}' for v in result['losses'])} "
+                    f"(first step {result['first_step_s']:.1f} s)")
+        if run.rank == 0:
+            with open(path, "w") as f:
+                json.dump({"meta": meta, "cases": cases}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
