@@ -4,8 +4,9 @@ import pytest
 import torch
 
 import harness
-from checks import GRIDS_8, assert_close, local, on_async_tp_grids, on_grids, rel, seed_for
+from checks import GRIDS_8, assert_close, local, on_grids, rel, seed_for
 from lightning_3d import matmul_ab, matmul_abt, matmul_atb
+from lightning_3d.options import RuntimeOptions
 from lightning_3d.sharding import ShardSpec, shard_tensor
 
 B, S, N, K = 4, 3, 8, 12
@@ -31,7 +32,7 @@ def _full(place, act_shape):
     return torch.randn(*(act_shape if isinstance(place, str) else place[1]), dtype=F64)
 
 
-def matmul_job(grid, form, save_gathered):
+def matmul_job(grid, form, save_gathered, async_tp=False):
     fn, pa, pb, pc, dense = FORMS[form]
     torch.manual_seed(seed_for(grid, 20))
     a_full = _full(pa, (B, S, N)).requires_grad_()
@@ -42,7 +43,7 @@ def matmul_job(grid, form, save_gathered):
     shard_a, shard_b, shard_c = (_sharder(p, grid) for p in (pa, pb, pc))
     a = shard_a(a_full.detach()).clone().requires_grad_()
     b = shard_b(b_full.detach()).clone().requires_grad_()
-    c = fn(a, b, grid=grid, save_gathered=save_gathered)
+    c = fn(a, b, grid=grid, options=RuntimeOptions(async_tp=async_tp, save_gathered=save_gathered))
     (c * shard_c(w)).sum().backward()
     return {"out": rel(c, shard_c(c_ref)), "da": rel(a.grad, shard_a(a_full.grad)), "db": rel(b.grad, shard_b(b_full.grad))}
 
@@ -58,4 +59,4 @@ def test_matmul_forms(form, save_gathered):
 def test_matmul_forms_async_tp(form, save_gathered):
     """Collective matmuls: forward gather fused where A's axis > 1 (else the scatter, e.g. 1×1×2),
     backward dC gather or dA / dB scatter fused, on every grid."""
-    assert_close(harness.run(8, on_async_tp_grids, GRIDS_8, matmul_job, form, save_gathered))
+    assert_close(harness.run(8, on_grids, GRIDS_8, matmul_job, form, save_gathered, True))

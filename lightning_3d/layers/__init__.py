@@ -3,8 +3,13 @@
 from .base import Module3D, dense_state_dict, load_dense_state_dict
 from .dropout import Dropout3D
 from .embedding import VocabParallelEmbedding3D
+from .fused_linear import FusedLinear3D
 from .linear import Linear3D
 from .loss import CrossEntropyLoss3D
 from .norm import LayerNorm3D, RMSNorm3D
+from .position import PositionEmbedding3D
+from .vocab import LMHead3D, PaddedEmbedding3D, padded_vocab_size
 
-__all__ = ["CrossEntropyLoss3D", "Dropout3D", "LayerNorm3D", "Linear3D", "Module3D", "RMSNorm3D", "VocabParallelEmbedding3D", "dense_state_dict", "load_dense_state_dict"]
+__all__ = ["CrossEntropyLoss3D", "Dropout3D", "FusedLinear3D", "LMHead3D", "LayerNorm3D", "Linear3D", "Module3D",
+           "PaddedEmbedding3D", "PositionEmbedding3D", "RMSNorm3D", "VocabParallelEmbedding3D", "dense_state_dict",
+           "load_dense_state_dict", "padded_vocab_size"]

@@ -1,13 +1,22 @@
-"""What every 3-D layer shares: sharded parameters, dense state dicts, and their description."""
+"""What every 3-D layer shares: sharded parameters, dense state dicts, and their description.
+
+A module whose global tensors are not the dense ones (a padded vocabulary, packed projections
+viewed as ``[groups, out, in]``) declares ``dense_shapes = {name: dense shape}``: the dense tensor
+is the leading elements of the global one in row-major order, so padding is zeros appended to the
+rows and grouping is a reshape (:func:`dense_to_global`, :func:`~lightning_3d.checkpoint.global_to_dense`).
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ..checkpoint import dense_shapes, global_to_dense
 from ..grid import Grid, resolve_grid
+from ..options import RuntimeOptions, resolve_options
 from ..sharding import ShardSpec, get_spec, set_spec, shard_tensor, unshard_tensor
 
 
@@ -31,46 +40,64 @@ def init_sharded_(param: torch.Tensor, grid: Grid, init: Callable[[torch.Tensor]
     param.copy_(shard_tensor(full, get_spec(param), grid))
 
 
+def dense_to_global(dense: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
+    """The global tensor whose leading elements are ``dense`` (row-major), zeros after them."""
+    flat = dense.reshape(-1)
+    pad = math.prod(global_shape) - flat.numel()
+    if pad < 0:
+        raise ValueError(f"a dense tensor of shape {list(dense.shape)} does not fit the global shape {list(global_shape)}")
+    return (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).reshape(global_shape)
+
+
 @torch.no_grad()
 def dense_state_dict(module: nn.Module, grid: Grid) -> dict[str, torch.Tensor]:
-    """Full tensors under the module's own keys, on every cube rank (collective over the cube)."""
-    out, done = {}, {}
+    """Full dense tensors under the module's own keys, on every cube rank (collective over the cube).
+
+    Padding is dropped and grouped tensors flattened as the modules' ``dense_shapes`` declare.
+    """
+    out, done, shapes = {}, {}, dense_shapes(module)
     for key, t in module.state_dict(keep_vars=True).items():
         spec = get_spec(t)
         if spec is None:
             out[key] = t.detach().clone()
-        else:
-            if id(t) not in done:
-                done[id(t)] = unshard_tensor(t.detach(), spec, grid)
-            out[key] = done[id(t)]
+            continue
+        if id(t) not in done:
+            done[id(t)] = unshard_tensor(t.detach(), spec, grid)
+        out[key] = global_to_dense(done[id(t)], shapes[key]) if key in shapes else done[id(t)]
     return out
 
 
 @torch.no_grad()
 def load_dense_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], grid: Grid, strict: bool = True) -> None:
-    """Copy each rank's shard out of full tensors keyed as :func:`dense_state_dict` returns them."""
+    """Copy each rank's shard out of full dense tensors keyed as :func:`dense_state_dict` returns them."""
     own = module.state_dict(keep_vars=True)
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
     if strict and (missing or unexpected):
         raise KeyError(f"dense state dict does not match the module: missing {missing}, unexpected {unexpected}")
+    shapes = dense_shapes(module)
     for key, t in own.items():
         if key not in state_dict:
             continue
         full = state_dict[key]
         spec = get_spec(t)
-        shape = spec.global_shape if spec is not None else tuple(t.shape)
+        shape = tuple(shapes[key]) if key in shapes else spec.global_shape if spec is not None else tuple(t.shape)
         if tuple(full.shape) != shape:
             raise ValueError(f"{key}: the dense state dict holds shape {list(full.shape)}, the module expects {list(shape)}")
-        t.copy_(full if spec is None else shard_tensor(full.to(t.device), spec, grid))
+        if spec is not None:
+            full = shard_tensor(dense_to_global(full.to(t.device), spec.global_shape), spec, grid)
+        t.copy_(full)
 
 
 class Module3D(nn.Module):
-    """Base of the 3-D layers: holds the grid and exchanges weights as dense state dicts."""
+    """Base of the 3-D layers: holds the grid and the :class:`~lightning_3d.options.RuntimeOptions`
+    it runs with (shared by every layer ``parallelize`` builds), and exchanges weights as dense
+    state dicts."""
 
-    def __init__(self, grid: Grid | None = None):
+    def __init__(self, grid: Grid | None = None, options: RuntimeOptions | None = None):
         super().__init__()
         self.grid = resolve_grid(grid)
+        self.options = resolve_options(options)
 
     def _apply(self, fn, recurse=True):
         """Keep each parameter's ShardSpec when a conversion (``to_empty``, ``to(device)``) replaces it."""

@@ -21,31 +21,31 @@ import torch
 from torch import nn
 
 from ..grid import Grid
-from ..layers.base import Module3D, init_sharded_, sharded_parameter
-from ..layers.linear import linear_weight_spec
+from .base import Module3D, init_sharded_, sharded_parameter
+from .linear import linear_weight_spec
 from ..layout import Layout, as_layout, check_local_activation
 from ..ops.matmul import matmul_abt
 from ..ops.replicated import use_replicated
-from ..sharding import ShardSpec, get_spec
+from ..options import RuntimeOptions
+from ..sharding import ShardSpec
 
 
 class FusedLinear3D(Module3D):
     """``groups`` stacked ``in → out`` linears on one input.
 
-    Input: a block ``[b/(px·pr), ..., in/pf]`` of ``input_layout``. Output: a tuple of ``groups``
-    blocks ``[b/(px·pf), ..., out/pr]`` in the other layout (as the dense twin's ``chunk(groups, -1)``):
-    entry ``g`` is group ``g``'s output block ``j`` (``out`` cut by ``pr``), exactly what
-    ``Linear3D(in, out)`` would give for that group.
+    Input: a block ``[b/(px·pr), ..., in/pf]`` of ``input_layout``. Output: a block
+    ``[b/(px·pf), ..., groups·out/pr]`` in the other layout whose ``chunk(groups, -1)`` gives, for
+    each group, its output block ``j`` (``out`` cut by ``pr``): exactly what ``Linear3D(in, out)``
+    would give for that group, as the dense twin's output chunks into the groups' full outputs.
     """
 
     def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True,
                  input_layout: str | Layout = "z", grid: Grid | None = None, device=None, dtype=None,
-                 save_gathered: bool = True):
-        super().__init__(grid)
+                 options: RuntimeOptions | None = None):
+        super().__init__(grid, options)
         self.in_features, self.out_features, self.groups = in_features, out_features, groups
         self.input_layout = as_layout(input_layout)
         self.output_layout = self.input_layout.other
-        self.save_gathered = save_gathered
         what = f"FusedLinear3D({in_features}, {groups}×{out_features}, input_layout={self.input_layout})"
         plain = linear_weight_spec(out_features, in_features, self.input_layout)
         self.weight = sharded_parameter(ShardSpec((groups,) + plain.global_shape, ((),) + plain.dims), self.grid, what + " weight", device, dtype)
@@ -68,33 +68,17 @@ class FusedLinear3D(Module3D):
             shapes["bias"] = (self.groups * self.out_features,)
         return shapes
 
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        """The dense twin's state dict: the global tensors flattened to ``[groups·out, ...]`` (collective)."""
-        return {k: t.reshape(self.dense_shapes[k]) for k, t in super().dense_state_dict().items()}
-
-    def load_dense_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load the dense twin's state dict (``[groups·out, ...]`` tensors)."""
-        viewed = {}
-        for key, t in state_dict.items():
-            if key in self.dense_shapes:
-                if tuple(t.shape) != self.dense_shapes[key]:
-                    raise ValueError(f"{key}: the dense state dict holds shape {list(t.shape)}, nn.Linear has {list(self.dense_shapes[key])}")
-                t = t.reshape(get_spec(getattr(self, key)).global_shape)
-            viewed[key] = t
-        super().load_dense_state_dict(viewed, strict)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
         directions = (self.input_layout.row_axis, "x", self.input_layout.feature_axis)
         px = self.grid.size("x")
         bias = None
         if self.bias is not None:  # in the product's column order [px, groups, out/(px·pr)], added inside the GEMM
             bias = use_replicated(self.bias, self.grid, grad_summed_over=directions[2]).unflatten(-1, (px, -1)).transpose(0, 1).flatten()
-        y = matmul_abt(x, self.weight.flatten(0, 1), directions, self.grid, self.save_gathered, bias)
-        # The x all-gather stacked the weight blocks as [px, groups, out/(px·pr)]: regroup per group
-        # (a view when px = 1; unbind, not movedim, so that backward stacks the groups' gradients
-        # straight into the product's layout, with no copy).
-        return tuple(part.flatten(-2) for part in y.unflatten(-1, (px, self.groups, -1)).unbind(-2))
+        y = matmul_abt(x, self.weight.flatten(0, 1), directions, self.grid, self.options, bias)
+        # The x all-gather stacked the weight blocks as [px, groups, out/(px·pr)]: put the groups
+        # outermost (a view when px = 1, one copy otherwise).
+        return y.unflatten(-1, (px, self.groups, -1)).transpose(-3, -2).flatten(-3)
 
     def extra_repr(self) -> str:
         return self._describe(in_features=self.in_features, out_features=self.out_features, groups=self.groups,

@@ -10,6 +10,7 @@ from torch import nn
 from ..grid import Grid
 from ..layout import Layout, as_layout, check_local_activation
 from ..ops.matmul import matmul_abt
+from ..options import RuntimeOptions
 from ..ops.replicated import use_replicated
 from ..sharding import ShardSpec
 from .base import Module3D, init_sharded_, sharded_parameter
@@ -35,8 +36,8 @@ class Linear3D(Module3D):
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
         input_layout: ``"z"`` (output in ``"y"``) or ``"y"`` (output in ``"z"``).
         grid: defaults to the current grid.
-        save_gathered: keep the gathered input and weight for backward (default) or re-gather
-            them there (saves ``pr``× the input block and ``px``× the weight block of memory).
+        options: the run-time choices (``save_gathered``, ``async_tp``); default
+            :class:`~lightning_3d.options.RuntimeOptions`.
     """
 
     def __init__(
@@ -48,13 +49,12 @@ class Linear3D(Module3D):
         grid: Grid | None = None,
         device=None,
         dtype=None,
-        save_gathered: bool = True,
+        options: RuntimeOptions | None = None,
     ):
-        super().__init__(grid)
+        super().__init__(grid, options)
         self.in_features, self.out_features = in_features, out_features
         self.input_layout = as_layout(input_layout)
         self.output_layout = self.input_layout.other
-        self.save_gathered = save_gathered
         what = f"Linear3D({in_features}, {out_features}, input_layout={self.input_layout})"
         self.weight = sharded_parameter(linear_weight_spec(out_features, in_features, self.input_layout), self.grid, what + " weight", device, dtype)
         bias_spec = ShardSpec((out_features,), ((self.input_layout.row_axis,),))
@@ -72,7 +72,7 @@ class Linear3D(Module3D):
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "Linear3D input")
         directions = (self.input_layout.row_axis, "x", self.input_layout.feature_axis)
         bias = use_replicated(self.bias, self.grid, grad_summed_over=directions[2]) if self.bias is not None else None
-        return matmul_abt(x, self.weight, directions, self.grid, self.save_gathered, bias)
+        return matmul_abt(x, self.weight, directions, self.grid, self.options, bias)
 
     def extra_repr(self) -> str:
         layouts = f"{self.input_layout}→{self.output_layout}"

@@ -1,14 +1,19 @@
-"""DenseGPT: the plain ``torch.nn`` twin of :class:`GPT3D`, its reference and exchange format.
+"""DenseGPT: the GPT language model in plain ``torch.nn``; :class:`GPT3D` is this model parallelized.
 
 nanoGPT's structure and state-dict keys. Fused weights: ``attn.c_attn.weight`` ``[3h, h]`` stacks
 q, k, v (each ``[h, h]``, heads in order); for llama, ``mlp.c_fc.weight`` ``[2·ffn, h]`` stacks gate
-and up. With ``tie_embeddings`` there is no ``lm_head`` key: the head is ``transformer.wte.weight``.
+and up. With ``tie_embeddings`` the head's weight is the token embedding's (``lm_head.weight`` and
+``transformer.wte.weight`` are one parameter, under both keys, as in Hugging Face's GPT-2).
+
+Every module works on whatever part of the activation it is given, so the same code runs
+parallelized: attention views its input as ``-1`` heads of ``head_dim`` (the heads of a rank), the
+packed projections' outputs are split with ``chunk``, and positions, the head and the loss are
+modules a plan can replace.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import causal_attention, rope_tables
@@ -16,6 +21,16 @@ from .config import GPTConfig
 from .init import init_dense_tensor_
 from .mlp import mlp_activation
 from .sampling import generate_tokens
+
+
+def init_order(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s state dict in order, each tensor once (a tied weight under its first key)."""
+    seen, out = set(), []
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((key, t.detach()))
+    return out
 
 
 def check_sequence(seq_len: int, config: GPTConfig) -> None:
@@ -77,8 +92,8 @@ class DenseBlock(nn.Module):
 class DenseGPT(nn.Module):
     """Single-device GPT of ``config``. ``forward(idx [b, s], targets=None)`` → loss, or logits ``[b, s, V]``.
 
-    ``device``/``dtype`` place the parameters; weights are GPT-2's init drawn in state-dict order
-    (equal to :class:`GPT3D`'s from the same seed).
+    ``device``/``dtype`` place the parameters (``device="meta"`` allocates nothing); weights are
+    GPT-2's init drawn in state-dict order (equal to :class:`GPT3D`'s from the same seed).
     """
 
     def __init__(self, config: GPTConfig, device=None, dtype=None):
@@ -92,13 +107,16 @@ class DenseGPT(nn.Module):
         modules["h"] = nn.ModuleList(DenseBlock(config, **factory) for _ in range(config.n_layer))
         modules["ln_f"] = norm(config, **factory)
         self.transformer = nn.ModuleDict(modules)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.n_embd, config.vocab_size, bias=False, **factory)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False, **factory)
+        self.loss = nn.CrossEntropyLoss(ignore_index=-100)
         self.to_empty(device=device if device is not None else torch.get_default_device())
+        if config.tie_embeddings:  # after to_empty, which gives every module a parameter of its own
+            self.lm_head.weight = self.transformer.wte.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2's init (see :mod:`lightning_3d.models.init`), drawn in state-dict order."""
-        for key, t in self.state_dict().items():
+        """GPT-2's init (see :mod:`lightning_3d.models.init`), drawn in state-dict order (a tied weight once)."""
+        for key, t in init_order(self):
             init_dense_tensor_(key, t, self.config)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -107,17 +125,16 @@ class DenseGPT(nn.Module):
         x = self.transformer.wte(idx)
         rope = None
         if self.config.style == "gpt2":
-            x = x + self.transformer.wpe.weight[:s]
+            x = x + self.transformer.wpe(torch.arange(s, device=idx.device))
         else:
             rope = rope_tables(s, self.config.head_dim, self.config.rope_theta, x.device, x.dtype)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x, rope)
-        x = self.transformer.ln_f(x)
-        logits = F.linear(x, self.transformer.wte.weight) if self.lm_head is None else self.lm_head(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return self.loss(logits.flatten(0, -2), targets.flatten())
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` ``[b, s]`` (see :func:`generate_tokens`)."""

@@ -51,12 +51,16 @@ def gpt_config_from_hf(hf_config: Any, **overrides) -> GPTConfig:
 
 
 def dense_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], tie_embeddings: bool = True) -> dict[str, torch.Tensor]:
-    """``GPT2LMHeadModel.state_dict()`` → ``DenseGPT.state_dict()`` (load it with ``load_dense_state_dict``)."""
+    """``GPT2LMHeadModel.state_dict()`` → ``DenseGPT.state_dict()`` (load it with ``load_dense_state_dict``).
+
+    A tied head's ``lm_head.weight`` is the token embedding, whether or not the HF state dict lists it.
+    """
     out = {}
     for key, t in hf_state_dict.items():
-        if key.endswith(MASK_BUFFERS) or (tie_embeddings and key == "lm_head.weight"):
+        if key.endswith(MASK_BUFFERS) or key == "lm_head.weight":
             continue
         out[key] = t.t().contiguous() if key.endswith(CONV1D_WEIGHTS) else t
+    out["lm_head.weight"] = out["transformer.wte.weight"] if tie_embeddings else hf_state_dict["lm_head.weight"]
     return out
 
 

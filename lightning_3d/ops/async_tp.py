@@ -14,7 +14,7 @@ symmetric-memory pipelines):
 
 ``⊗`` is the local product of form ``"ab"`` (``a @ b``) or ``"abt"`` (``a @ bᵀ``), whose output
 rows are ``a``'s rows (the ``"atb"`` form sums over them and cannot be cut this way). Results
-equal the plain path up to the order of the sums. Enabled per grid by ``init_grid(async_tp=True)``.
+equal the plain path up to the order of the sums. Enabled by ``RuntimeOptions(async_tp=True)``.
 
 On CUDA every rank of the group must be able to map its peers' memory (one NVLink domain). On
 CPU the blocks travel by gloo (one all-gather, one all-to-all) with the same decomposition and

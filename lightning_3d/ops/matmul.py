@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from .. import comm
 from . import async_tp
 from ..grid import Grid, resolve_grid
+from ..options import RuntimeOptions, resolve_options
 
 
 def _mm(form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -137,7 +138,7 @@ def _is_parameter(t: torch.Tensor) -> bool:
 class MatmulPlan(NamedTuple):
     """What one 3-D matmul does: its form, its three groups, whether it saves gathered operands,
     the active :class:`WeightPrefetch` that gathers operand B (None: gather it here), and whether
-    gathers and scatters next to a product run as collective matmuls (the grid's ``async_tp``)."""
+    gathers and scatters next to a product run as collective matmuls (``RuntimeOptions.async_tp``)."""
 
     form: str
     group_a: object
@@ -236,27 +237,29 @@ def _product_scatter(plan: MatmulPlan, form: str, a, b, bias, group, async_op: b
     return comm.reduce_scatter_dim0(_mm(form, a, b, bias), group, async_op=async_op)
 
 
-def _matmul(form: str, a, b, directions, grid, save_gathered, bias=None) -> torch.Tensor:
-    grid = resolve_grid(grid)
+def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tensor:
+    grid, options = resolve_grid(grid), resolve_options(options)
     if grid.cube_size == 1:  # nothing to gather or scatter: the plain product, under plain autograd
         return _mm(form, a, b, bias)
     ga, gb, gc = (grid.group(axis) for axis in directions)
     prefetch = _active_prefetch if _is_parameter(b) else None
-    return _Matmul3D.apply(a, b, bias, MatmulPlan(form, ga, gb, gc, save_gathered, prefetch, grid.async_tp))
+    return _Matmul3D.apply(a, b, bias, MatmulPlan(form, ga, gb, gc, options.save_gathered, prefetch, options.async_tp or grid.async_tp))
 
 
-def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_gathered: bool = True) -> torch.Tensor:
+def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, options: RuntimeOptions | None = None) -> torch.Tensor:
     """``C = A @ B``: gather A over ``directions[0]``, B over ``[1]``, reduce-scatter C over ``[2]``.
 
     ``a`` ``[m, ..., n]`` and ``b`` ``[n', k]`` are local blocks whose dim 0 is cut by the axis
-    that gathers them; ``save_gathered=False`` re-gathers A and B in backward instead of keeping
-    them (less memory, more communication). Inside an active :class:`WeightPrefetch`, a
-    parameter B is gathered one product ahead.
+    that gathers them. ``options`` (default :class:`~lightning_3d.options.RuntimeOptions`):
+    ``save_gathered=False`` re-gathers A and B in backward instead of keeping them (less memory,
+    more communication); ``async_tp`` runs the gathers and scatters next to the product as
+    collective matmuls. Inside an active :class:`WeightPrefetch`, a parameter B is gathered one
+    product ahead.
     """
-    return _matmul("ab", a, b, directions, grid, save_gathered)
+    return _matmul("ab", a, b, directions, grid, options)
 
 
-def matmul_abt(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_gathered: bool = True,
+def matmul_abt(a, b, directions=("y", "x", "z"), grid: Grid | None = None, options: RuntimeOptions | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``C = A @ Bᵀ (+ bias)`` with ``b`` ``[k', n]`` (the layout of an ``nn.Linear`` weight); see :func:`matmul_ab`.
 
@@ -266,9 +269,9 @@ def matmul_abt(a, b, directions=("y", "x", "z"), grid: Grid | None = None, save_
     (the gathered ``dC`` of backward): the caller sums it over the bias's other replicas only
     (``use_replicated(bias, grid, grad_summed_over=directions[2])``).
     """
-    return _matmul("abt", a, b, directions, grid, save_gathered, bias)
+    return _matmul("abt", a, b, directions, grid, options, bias)
 
 
-def matmul_atb(a, b, directions=("z", "y", "x"), grid: Grid | None = None, save_gathered: bool = True) -> torch.Tensor:
+def matmul_atb(a, b, directions=("z", "y", "x"), grid: Grid | None = None, options: RuntimeOptions | None = None) -> torch.Tensor:
     """``C = Aᵀ @ B`` with ``a`` ``[m', ..., n]``, ``b`` ``[m'', ..., k]`` → ``[n/|c|, k]``; see :func:`matmul_ab`."""
-    return _matmul("atb", a, b, directions, grid, save_gathered)
+    return _matmul("atb", a, b, directions, grid, options)

@@ -1,0 +1,37 @@
+"""RuntimeOptions: the run-time choices of the 3-D layers, in one object that every layer reads.
+
+They change how a model runs, never what it computes, and are not part of the grid: ``parallelize``
+hands one :class:`RuntimeOptions` to every 3-D layer it builds, so a change made to it (e.g. by a
+strategy after ``configure_model``) reaches all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RuntimeOptions:
+    """How the 3-D layers run.
+
+    Args:
+        async_tp: run each 3-D product's activation gather or scatter as a collective matmul,
+            pipelined block by block with the product (:mod:`lightning_3d.ops.async_tp`; on CUDA,
+            every rank of a cube must reach its peers' memory: one NVLink domain).
+        save_gathered: keep the gathered activation and weight of every 3-D product for backward
+            (default) or re-gather them there (less memory, more communication).
+        prefetch: gather each weight one product ahead during forward
+            (:class:`~lightning_3d.ops.matmul.WeightPrefetch`; one gathered weight of memory).
+        activation_checkpointing: recompute the modules the plan names as checkpoint units in
+            backward (non-reentrant ``torch.utils.checkpoint``; dropout masks are replayed).
+    """
+
+    async_tp: bool = False
+    save_gathered: bool = True
+    prefetch: bool = False
+    activation_checkpointing: bool = False
+
+
+def resolve_options(options: RuntimeOptions | None) -> RuntimeOptions:
+    """``options`` itself, or a fresh default :class:`RuntimeOptions`."""
+    return options if options is not None else RuntimeOptions()

@@ -1,0 +1,36 @@
+"""Bring your own model: ``parallelize(model, plan)`` puts a ``torch.nn`` model on the 3-D grid in place.
+
+A :class:`Plan` maps module-name patterns to rules (:class:`Linear`, :class:`Norm`,
+:class:`VocabEmbedding`, :class:`PositionEmbedding`, :class:`LMHead`, :class:`Loss`,
+:class:`Dropout`) and carries the :class:`~lightning_3d.options.RuntimeOptions` the built layers
+read, the checkpoint units, and the model-level input/output hooks.
+"""
+
+from ..options import RuntimeOptions
+from .norms import register_norm
+from .parallelize import parallelize
+from .plan import Plan, find_plan, register_plan
+from .rules import Dropout, Linear, LMHead, Loss, Norm, PositionEmbedding, Rule, VocabEmbedding
+from .state import dense_state_dict, grid_of, load_dense_state_dict, options_of, set_options
+
+__all__ = [
+    "Dropout",
+    "LMHead",
+    "Linear",
+    "Loss",
+    "Norm",
+    "Plan",
+    "PositionEmbedding",
+    "Rule",
+    "RuntimeOptions",
+    "VocabEmbedding",
+    "dense_state_dict",
+    "find_plan",
+    "grid_of",
+    "load_dense_state_dict",
+    "options_of",
+    "parallelize",
+    "register_norm",
+    "register_plan",
+    "set_options",
+]

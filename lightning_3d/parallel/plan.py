@@ -1,0 +1,89 @@
+"""A plan: which module of a model becomes which 3-D module, and how the model runs on the grid.
+
+``rules`` maps module-name patterns to :mod:`~lightning_3d.parallel.rules`. A pattern is matched
+against the names of ``model.named_modules()`` one dot-separated atom at a time, each atom by
+``fnmatch`` (``"layers.*.mlp.fc?"`` matches ``layers.0.mlp.fc1``, not ``layers.0.mlp.fc1.x``); the
+first pattern that matches a module wins, and the modules inside a replaced one are not visited.
+
+Built-in plans are registered by class name (:func:`register_plan`), so that a library's class
+gets a plan without the library being imported here; ``parallelize(model)`` looks one up along
+the model's class hierarchy.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..grid import Grid
+from ..options import RuntimeOptions
+from .rules import Rule
+
+BeforeForward = Callable[[nn.Module, Grid, tuple, dict], "tuple[tuple, dict] | None"]
+AfterForward = Callable[[nn.Module, Grid, tuple, dict, Any], Any]
+
+
+@dataclass
+class Plan:
+    """How :func:`~lightning_3d.parallel.parallelize` puts a model on the grid.
+
+    Args:
+        rules: ``{pattern: rule}``; every module that holds parameters must be matched.
+        options: the run-time choices every built layer reads (one shared object).
+        checkpoint: patterns of the modules recomputed in backward while
+            ``options.activation_checkpointing`` is on (the Transformer blocks).
+        before_forward: ``(model, grid, args, kwargs) -> (args, kwargs) or None``, run before the
+            model's forward: check the inputs, lay them out for this rank (masks, position ids).
+        after_forward: ``(model, grid, args, kwargs, output) -> output or None``, run after it
+            (e.g. compute the loss from the y-layout logits).
+        init: for a model built on the ``meta`` device, fills each dense tensor: called as
+            ``init(name, tensor)`` with the full tensor of every parameter (and ``meta`` buffer) in
+            state-dict order, as the dense model's own initialisation would draw it. Without it,
+            each module's ``reset_parameters()`` runs on its full-size tensors, in module order.
+        validate: ``(model, grid) -> None``, raising ``ValueError`` naming the numbers and the fix
+            when the model does not split on the grid (e.g. heads over py); run before any change.
+        strict: every pattern of ``rules`` and ``checkpoint`` must match some module.
+    """
+
+    rules: dict[str, Rule]
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)
+    checkpoint: tuple[str, ...] = ()
+    before_forward: BeforeForward | None = None
+    after_forward: AfterForward | None = None
+    init: Callable[[str, torch.Tensor], None] | None = None
+    validate: Callable[[nn.Module, Grid], None] | None = None
+    strict: bool = True
+
+    def rule_for(self, name: str) -> Rule | None:
+        """The rule of the first pattern matching module ``name``, or None."""
+        return next((rule for pattern, rule in self.rules.items() if matches(pattern, name)), None)
+
+
+def matches(pattern: str, name: str) -> bool:
+    """``pattern`` matches module ``name`` atom by atom (``fnmatch`` per dot-separated part)."""
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatch.fnmatchcase(p, a) for a, p in zip(atoms, parts))
+
+
+_plans: dict[str, Callable[[nn.Module], Plan]] = {}
+
+
+def register_plan(class_name: str, make_plan: Callable[[nn.Module], Plan]) -> None:
+    """Make ``make_plan(model)`` the built-in plan of models whose class (or a base class) is named ``class_name``."""
+    _plans[class_name] = make_plan
+
+
+def find_plan(model: nn.Module) -> Plan:
+    """The built-in plan of ``model``'s class; ``ValueError`` naming the class and the fix when there is none."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in _plans:
+            return _plans[cls.__name__](model)
+    raise ValueError(
+        f"no built-in plan for {type(model).__name__} (built in: {', '.join(sorted(_plans)) or 'none'}); "
+        f"pass parallelize(model, plan=Plan(rules={{...}})) or register one with "
+        f"lightning_3d.parallel.register_plan({type(model).__name__!r}, make_plan)"
+    )
