@@ -5,6 +5,7 @@
 - :func:`initialize`: ``deepspeed.initialize`` reading ``"tensor3d": {"grid": [px, py, pz]}``.
 - :func:`init_grid_from_config`: the grid of a config, to build the model on before ``initialize``.
 - :func:`tag_grad_norm_params`: the parameter tags that make DeepSpeed's gradient norm exact.
+- :func:`save_checkpoint` / :func:`load_checkpoint`: the engine's, with the grid layout saved and checked.
 - :func:`to_dense` / ``python -m deepspeed_3d.checkpoint to-dense``: a checkpoint's dense state dict.
 - ``"tensor3d_deepspeed"``: the Lightning strategy (:mod:`deepspeed_3d.strategy`), registered
   when Lightning is imported; ``Tensor3DDeepSpeedStrategy`` is the class of ``lightning.pytorch``
@@ -15,7 +16,7 @@ This is the only package of the project that imports DeepSpeed.
 
 from .checkpoint import to_dense
 from .config import check_batch_size, init_grid_from_config, load_config
-from .engine import initialize
+from .engine import initialize, load_checkpoint, save_checkpoint
 from .grad_norm_tags import tag_grad_norm_params
 from .mpu import GridMPU
 from .strategy import register_on_import as _register_on_import
@@ -31,4 +32,4 @@ def __getattr__(name: str):
         return strategy_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["GridMPU", "Tensor3DDeepSpeedStrategy", "check_batch_size", "init_grid_from_config", "initialize", "load_config", "tag_grad_norm_params", "to_dense"]
+__all__ = ["GridMPU", "Tensor3DDeepSpeedStrategy", "check_batch_size", "init_grid_from_config", "initialize", "load_checkpoint", "load_config", "save_checkpoint", "tag_grad_norm_params", "to_dense"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -34,9 +33,11 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     models without 3-D layers). The section is removed before DeepSpeed sees the config.
 
     ZeRO partitions and gradient averaging run over the data-parallel group; parameters are
-    tagged for DeepSpeed's gradient norm (:mod:`deepspeed_3d.grad_norm_tags`); checkpoints carry
-    the grid layout (:mod:`deepspeed_3d.layout`); ZeRO-3 leaves ``torch.nn.functional.linear``
+    tagged for DeepSpeed's gradient norm (:mod:`deepspeed_3d.grad_norm_tags`); ZeRO-3 leaves ``torch.nn.functional.linear``
     alone unless the config asks otherwise (:func:`~deepspeed_3d.config.keep_torch_linear`).
+
+    Save and load its checkpoints with :func:`save_checkpoint` / :func:`load_checkpoint`, which
+    add the grid layout and check it.
 
     Returns:
         What ``deepspeed.initialize`` returns: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
@@ -57,31 +58,45 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     keep_torch_linear(config)
     tag_grad_norm_params(model, grid)
     engine, optimizer, dataloader, scheduler = deepspeed.initialize(model=model, config=config, mpu=GridMPU(grid), **kwargs)
-    engine.__class__ = _grid_engine_class(type(engine))
-    engine.tensor3d_layout = model_layout(model, grid)
     return engine, optimizer, dataloader, scheduler
 
 
-class _GridEngine:
-    """Mixed into the engine class: checkpoints carry the grid layout and refuse another grid."""
+def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None, **kwargs):
+    """``engine.save_checkpoint`` with the grid layout in the client state (:mod:`deepspeed_3d.layout`).
 
-    tensor3d_layout: dict[str, Any]
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, *args, **kwargs):
-        client_state = {**(client_state or {}), LAYOUT_KEY: self.tensor3d_layout}
-        return super().save_checkpoint(save_dir, tag, client_state, *args, **kwargs)
-
-    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
-        if tag is not None or (Path(load_dir) / "latest").is_file():  # else DeepSpeed finds nothing to load
-            saved = read_layout(tag_dir(load_dir, tag))
-            if saved is not None:  # before DeepSpeed reads shards of another grid into this one's
-                check_same_grid(saved, self.tensor3d_layout)
-        path, client_state = super().load_checkpoint(load_dir, tag, *args, **kwargs)
-        if client_state is not None:
-            client_state.pop(LAYOUT_KEY, None)
-        return path, client_state
+    The layout lets :func:`~deepspeed_3d.checkpoint.to_dense` assemble the checkpoint without the
+    model, and :func:`load_checkpoint` refuse it on another grid. ``engine`` is one that
+    :func:`initialize` made; the other arguments are ``engine.save_checkpoint``'s.
+    """
+    client_state = {**(client_state or {}), LAYOUT_KEY: engine_layout(engine)}
+    return engine.save_checkpoint(save_dir, tag, client_state, **kwargs)
 
 
-@functools.cache
-def _grid_engine_class(engine_class: type) -> type:
-    return type(f"Grid{engine_class.__name__}", (_GridEngine, engine_class), {"__module__": __name__})
+def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None, **kwargs) -> tuple:
+    """``engine.load_checkpoint``, refusing a checkpoint saved on another grid before DeepSpeed reads its shards.
+
+    Returns what ``engine.load_checkpoint`` returns, ``(path, client_state)``, without the layout.
+
+    Raises:
+        ValueError: the checkpoint's grid differs from the engine's (DeepSpeed matches shards by rank).
+    """
+    check_checkpoint_grid(engine, load_dir, tag)
+    path, client_state = engine.load_checkpoint(load_dir, tag, **kwargs)
+    if client_state is not None:
+        client_state.pop(LAYOUT_KEY, None)
+    return path, client_state
+
+
+def engine_layout(engine) -> dict[str, Any]:
+    """The grid layout of the model of ``engine`` (made by :func:`initialize`)."""
+    if not isinstance(engine.mpu, GridMPU):
+        raise ValueError("the engine was not made by deepspeed_3d.initialize (its mpu is not a GridMPU)")
+    return model_layout(engine.module, engine.mpu.grid)
+
+
+def check_checkpoint_grid(engine, load_dir: str | os.PathLike, tag: str | None = None) -> None:
+    """Raise ``ValueError`` when checkpoint ``tag`` of ``load_dir`` (default: ``latest``) was saved on another grid."""
+    if tag is not None or (Path(load_dir) / "latest").is_file():  # else DeepSpeed finds nothing to load
+        saved = read_layout(tag_dir(load_dir, tag))
+        if saved is not None:
+            check_same_grid(saved, engine_layout(engine))

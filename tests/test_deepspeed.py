@@ -169,7 +169,7 @@ def training_job(shape, stages, ckpt_root):
             losses.append(engine_step(engine, grid, step))
             norms.append(float(engine.get_global_grad_norm()))
             if step + 1 == SAVE_AFTER:
-                engine.save_checkpoint(ckpt)
+                deepspeed_3d.save_checkpoint(engine, ckpt)
                 after_save = None
             if step == SAVE_AFTER:
                 after_save = local_params(engine)
@@ -181,7 +181,7 @@ def training_job(shape, stages, ckpt_root):
         res["clipped"] = min(ref_norms)
         # a fresh engine from other weights, loaded from the checkpoint, takes the same next step
         fresh, *_ = deepspeed_3d.initialize(model=model_3d(dense_model(seed=99), grid), config=ds_config(shape, stage, dp))
-        fresh.load_checkpoint(ckpt)
+        deepspeed_3d.load_checkpoint(fresh, ckpt)
         engine_step(fresh, grid, SAVE_AFTER)
         res["resume_bitwise"] = all(torch.equal(a, b) for a, b in zip(local_params(fresh), after_save))
         if dist.get_rank() == 0:
@@ -228,7 +228,7 @@ def gpt_job(shape, stage, ckpt_root):
         loss_err = max(loss_err, abs(float(replica_mean) / dp - float(ref)) / float(ref))
         norm_err = max(norm_err, abs(float(engine.get_global_grad_norm()) - ref_norm) / ref_norm)
         if step + 1 == SAVE_AFTER:
-            engine.save_checkpoint(ckpt)
+            deepspeed_3d.save_checkpoint(engine, ckpt)
             saved = model.dense_state_dict()  # collective over the cube
     res = {"loss": loss_err, "norm": norm_err}
     if dist.get_rank() == 0:
@@ -272,7 +272,7 @@ def other_grid_job(shape, ckpt):
     grid = harness.grid(shape)
     engine, *_ = deepspeed_3d.initialize(model=model_3d(dense_model(0), grid), config=ds_config(shape, 1, grid.data_parallel_size))
     try:
-        engine.load_checkpoint(ckpt)
+        deepspeed_3d.load_checkpoint(engine, ckpt)
     except ValueError as e:
         return str(e)
     return None

@@ -70,7 +70,7 @@ def overflow_job(agreed: bool):
     layer = Linear3D(8, 8, grid=grid)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
-    scaler = agreed_scaler(scaler) if agreed else scaler
+    scaler = agreed_scaler(scaler, "cpu") if agreed else scaler
     x = split_activation(torch.randn(4, 8), "z", grid)
     scaler.scale(layer(x).sum()).backward()
     if dist.get_rank() == 5:  # one shard overflows

@@ -1,7 +1,8 @@
 """``"tensor3d_deepspeed"``: Lightning's DeepSpeed strategy on the 3-D grid, in both Lightning namespaces.
 
 ``lightning.pytorch`` and ``pytorch_lightning`` have distinct base classes and registries, so each
-gets its own class from one definition (:func:`~deepspeed_3d.strategy.factory.define_strategy`):
+gets its own class, ``Tensor3DDeepSpeedMixin`` (:mod:`.base`, the shared behaviour) on that
+namespace's ``DeepSpeedStrategy``:
 ``deepspeed_3d.strategy.lightning.Tensor3DDeepSpeedStrategy`` and
 ``deepspeed_3d.strategy.pytorch_lightning.Tensor3DDeepSpeedStrategy``. :func:`register_on_import`
 (run by ``import deepspeed_3d``) registers ``"tensor3d_deepspeed"`` in each namespace when that
@@ -19,7 +20,7 @@ NAMESPACES = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch_li
 
 
 def register(namespace: str) -> type:
-    """Define (once) and register the strategy class of ``namespace``; returns it."""
+    """Import (and so register) the strategy class of ``namespace``; returns it."""
     return importlib.import_module(f"{__name__}.{NAMESPACES[namespace]}").Tensor3DDeepSpeedStrategy
 
 

@@ -1,8 +1,8 @@
 """``Tensor3DStrategy``: 3-D tensor parallelism as a Lightning strategy, registered as ``"tensor3d"``.
 
 Lightning ships under two names with distinct base classes and registries, ``lightning.pytorch``
-and ``pytorch_lightning``; each gets its own class, built from one definition
-(:func:`~lightning_3d.strategy.factory.define_strategy`):
+and ``pytorch_lightning``; each gets its own class, ``Tensor3DMixin`` (:mod:`.base`, the shared
+behaviour) on that namespace's ``DDPStrategy``:
 ``lightning_3d.strategy.lightning.Tensor3DStrategy`` and
 ``lightning_3d.strategy.pytorch_lightning.Tensor3DStrategy``. ``Tensor3DStrategy`` here (and
 ``lightning_3d.Tensor3DStrategy``) is the ``lightning.pytorch`` one when installed.
@@ -24,7 +24,7 @@ NAMESPACES = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch_li
 
 
 def register(namespace: str) -> type:
-    """Define (once) and register the strategy class of ``namespace``; returns it."""
+    """Import (and so register) the strategy class of ``namespace``; returns it."""
     return importlib.import_module(f"{__name__}.{NAMESPACES[namespace]}").Tensor3DStrategy
 
 

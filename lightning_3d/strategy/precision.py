@@ -1,12 +1,16 @@
-"""What a Lightning precision plugin must do differently on a grid (works on any plugin; no Lightning import).
+"""What a Lightning precision plugin must do differently on a grid (no Lightning import).
 
 - Clipping by norm uses the model's global norm (:mod:`lightning_3d.grad_norm`), not the norm
-  of this rank's shards.
+  of this rank's shards: :class:`GlobalNormClipping`, mixed into a subclass of each of Lightning's
+  plugins that the strategy supports (defined beside the strategy class of each namespace).
 - An fp16 loss scaler decides "overflow, skip this step" for all ranks together: each rank sees
-  only its shards' gradients, and a rank that steps while another skips leaves the model torn.
+  only its shards' gradients, and a rank that steps while another skips leaves the model torn
+  (:func:`agreed_scaler`).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -15,44 +19,53 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from ..grad_norm import clip_grad_norm_
 from ..grid import Grid
 
+SUPPORTED = "'32-true', '64-true', '16-true', 'bf16-true', '16-mixed' and 'bf16-mixed'"
+
 
 class GlobalNormClipping:
-    """Precision-plugin mixin: ``gradient_clip_val`` clips by the 3-D model's global norm."""
+    """Precision-plugin mixin: ``gradient_clip_val`` clips by the 3-D model's global norm on :attr:`grid`."""
 
-    tensor3d_grid: Grid
+    grid: Grid | None = None  # set by the strategy once the grid exists
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        clip_grad_norm_(self.main_params(optimizer), clip_val, self.tensor3d_grid)
+        if self.grid is None:
+            raise RuntimeError("the tensor3d precision plugin clips once the strategy has set up its grid")
+        clip_grad_norm_(self.main_params(optimizer), clip_val, self.grid)
 
 
-_clipping_classes: dict[type, type] = {}
-
-
-def clip_globally(plugin, grid: Grid) -> None:
-    """Give ``plugin`` (any precision plugin) :class:`GlobalNormClipping`, keeping its class's qualname.
-
-    The qualname names the plugin's state in Lightning checkpoints, so it must not change.
-    """
-    cls = type(plugin)
-    if not isinstance(plugin, GlobalNormClipping):
-        if cls not in _clipping_classes:
-            _clipping_classes[cls] = type(cls.__name__, (GlobalNormClipping, cls), {"__qualname__": cls.__qualname__})
-        plugin.__class__ = _clipping_classes[cls]
-    plugin.tensor3d_grid = grid
-
-
-def agreed_scaler(scaler: torch.amp.GradScaler) -> ShardedGradScaler:
-    """A scaler with ``scaler``'s settings whose overflow check is all-reduced over the world."""
+def agreed_scaler(scaler: torch.amp.GradScaler, device: str) -> ShardedGradScaler:
+    """A scaler with ``scaler``'s settings and state whose overflow check is all-reduced over the world."""
     if isinstance(scaler, ShardedGradScaler):
         return scaler
-    return ShardedGradScaler(
-        scaler._device, init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
-        backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
-        enabled=scaler._enabled, process_group=dist.group.WORLD)
+    agreed = ShardedGradScaler(device, enabled=scaler.is_enabled(), process_group=dist.group.WORLD)
+    if scaler.is_enabled():
+        agreed.load_state_dict(scaler.state_dict())
+    return agreed
 
 
-def agree_on_overflow(plugin) -> None:
-    """Replace the plugin's loss scaler (fp16 mixed precision only has one) by :func:`agreed_scaler`'s."""
-    scaler = getattr(plugin, "scaler", None)
-    if scaler is not None:
-        plugin.scaler = agreed_scaler(scaler)
+def on_grid(plugin, classes: dict[type, type]):
+    """``plugin`` as the grid-aware subclass ``classes[type(plugin)]``, built with the same constructor arguments.
+
+    The arguments are read from the plugin's attributes of the same names (``precision``,
+    ``device``, ``scaler``: Lightning's plugins keep them so). A plugin already grid-aware, or
+    ``None``, comes back as it is.
+
+    Raises:
+        ValueError: a plugin of a type the strategy has no grid-aware subclass for.
+    """
+    if plugin is None or isinstance(plugin, GlobalNormClipping):
+        return plugin
+    cls = classes.get(type(plugin))
+    if cls is None:
+        raise ValueError(f"the tensor3d strategy supports the precisions {SUPPORTED} (it clips gradients by the global 3-D "
+                         f"norm through its own plugins); got the plugin {type(plugin).__qualname__}: pass Trainer(precision=...) instead")
+    return cls(**{name: getattr(plugin, name) for name in inspect.signature(cls).parameters})
+
+
+class AgreedOverflow:
+    """Mixed into a subclass of Lightning's ``MixedPrecision``: its fp16 scaler is :func:`agreed_scaler`'s."""
+
+    def __init__(self, precision: str, device: str, scaler: torch.amp.GradScaler | None = None) -> None:
+        super().__init__(precision, device, scaler)
+        if self.scaler is not None:
+            self.scaler = agreed_scaler(self.scaler, device)

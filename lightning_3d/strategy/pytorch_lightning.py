@@ -1,7 +1,38 @@
 """``Tensor3DStrategy`` for ``pytorch_lightning``; registered as ``"tensor3d"`` on import."""
 
-from .factory import define_strategy
+from lightning_fabric.utilities.seed import pl_worker_init_function
+from pytorch_lightning.plugins import precision as lp
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
 
-Tensor3DStrategy = define_strategy("pytorch_lightning", __name__)
+from .base import Tensor3DMixin
+from .precision import AgreedOverflow, GlobalNormClipping
+
+
+class GridPrecision(GlobalNormClipping, lp.Precision):
+    """``Precision`` (32-true) clipping by the global 3-D norm."""
+
+
+class GridDoublePrecision(GlobalNormClipping, lp.DoublePrecision):
+    """``DoublePrecision`` (64-true) clipping by the global 3-D norm."""
+
+
+class GridHalfPrecision(GlobalNormClipping, lp.HalfPrecision):
+    """``HalfPrecision`` (16-true, bf16-true) clipping by the global 3-D norm."""
+
+
+class GridMixedPrecision(GlobalNormClipping, AgreedOverflow, lp.MixedPrecision):
+    """``MixedPrecision`` (16-mixed, bf16-mixed) clipping by the global 3-D norm, fp16 overflow agreed by every rank."""
+
+
+class Tensor3DStrategy(Tensor3DMixin, DDPStrategy):
+    __doc__ = Tensor3DMixin.__doc__
+    grid_precisions = {lp.Precision: GridPrecision, lp.DoublePrecision: GridDoublePrecision,
+                       lp.HalfPrecision: GridHalfPrecision, lp.MixedPrecision: GridMixedPrecision}
+    info = staticmethod(rank_zero_info)
+    worker_init_function = staticmethod(pl_worker_init_function)
+
+
+Tensor3DStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["Tensor3DStrategy"]

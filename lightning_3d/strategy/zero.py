@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..grid import Grid
 
@@ -92,11 +91,11 @@ class ShardedOptimizerState:
             owned = [p for p in self.params if self.owner[id(p)] == d]
             for dtype in dict.fromkeys(p.dtype for p in owned):
                 tensors = [p.data for p in owned if p.dtype == dtype]
-                flat = _flatten_dense_tensors(tensors)
+                flat = torch.cat([t.reshape(-1) for t in tensors])
                 dist.broadcast(flat, src=dist.get_global_rank(group, d), group=group)
                 if d != self.grid.coord("dp"):
-                    for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-                        t.copy_(new)
+                    for t, new in zip(tensors, flat.split([t.numel() for t in tensors])):
+                        t.copy_(new.view_as(t))
 
     def remove(self) -> None:
         """Detach the hooks (the optimizer becomes a plain one again)."""

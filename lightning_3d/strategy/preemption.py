@@ -1,0 +1,164 @@
+"""Preemption: SIGTERM or SIGINT on any one rank stops every rank at the same step, after a last checkpoint.
+
+Schedulers preempt a job with SIGTERM (SLURM's ``--signal``, Kubernetes' pod deletion), users with
+Ctrl-C, and often only some processes get it (one node of several). A rank that stops alone leaves
+the others waiting in its next collective until the timeout. So a signal only notes itself; at the
+start of every training step the ranks agree on "has any rank been signalled" with one all-reduce
+of two integers over a CPU (gloo) group, which costs no device synchronisation; then, all at the
+same step boundary, they save the checkpoint the user asked for and exit with status
+``128 + signal``, rank 0 saying what happened. No Lightning import.
+
+A second signal on a rank, or a stop that has not finished within ``grace`` seconds (a peer that
+died, a stalled save), ends that process at once with a one-line message; its peers' collectives
+then fail within seconds instead of waiting for the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DEFAULT_GRACE = datetime.timedelta(seconds=60)
+
+_control_groups: dict[int, dist.ProcessGroup] = {}
+
+
+def _control_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """The world on gloo (the world itself when it already is): the vote runs on CPU tensors."""
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    key = id(dist.group.WORLD)
+    if key not in _control_groups:
+        _control_groups[key] = dist.new_group(backend="gloo", timeout=timeout)
+    return _control_groups[key]
+
+
+def _exit_now(message: str, status: int) -> None:
+    print(message, file=sys.stderr, flush=True)
+    os._exit(status)
+
+
+class Preempted(SystemExit):
+    """Raised on every rank at the step where the ranks agreed to stop; the exit status is ``128 + signal``."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(128 + signum)
+        self.signum, self.message = signum, message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class PreemptionWatch:
+    """Notes SIGTERM / SIGINT on this rank and lets every rank agree, once a step, whether any rank got one."""
+
+    def __init__(self, rank: int, grace: datetime.timedelta = DEFAULT_GRACE):
+        self.rank, self.grace = rank, grace
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+        self._timers: list[threading.Timer] = []
+        self._group: dist.ProcessGroup | None = None
+
+    def install(self, timeout: datetime.timedelta) -> None:
+        """Take over the signals (from the main thread) and make the vote's group; collective over the world."""
+        self._group = _control_group(timeout)
+        self.take_signals()
+
+    def take_signals(self) -> None:
+        """Handle SIGTERM and SIGINT on this process (from the main thread only, as Python requires)."""
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._note)
+
+    def uninstall(self) -> None:
+        """Give the signals back to the handlers they had before :meth:`install`; cancel the deadlines."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+        for timer in self._timers:
+            timer.cancel()
+        self._timers = []
+
+    def _note(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum:
+            _exit_now(f"tensor3d: rank {self.rank} received {name} again while stopping; exiting now", 128 + signum)
+        self.signum = signum
+        self.deadline(f"tensor3d: rank {self.rank} received {name} but the ranks did not stop within "
+                      f"{self.grace.total_seconds():.0f} s; exiting now", 128 + signum)
+
+    def deadline(self, message: str, status: int) -> None:
+        """End this process with ``message`` unless it has exited within ``grace``."""
+        timer = threading.Timer(self.grace.total_seconds(), _exit_now, (message, status))
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
+
+    def agreed(self) -> tuple[int, int] | None:
+        """``(signal, rank)`` of a signalled rank (the highest such rank) if any rank was signalled, else None. Collective."""
+        vote = torch.tensor([self.signum, self.rank if self.signum else -1])
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
+        return (int(vote[0]), int(vote[1])) if vote[0] else None
+
+
+def stop_message(signum: int, rank: int, step: int, checkpoint: Path | None) -> str:
+    """What rank 0 says when the ranks stop."""
+    name = signal.Signals(signum).name
+    saved = (f"saved a checkpoint to {checkpoint}; resume with Trainer.fit(..., ckpt_path={str(checkpoint)!r})"
+             if checkpoint is not None else "no checkpoint was asked for (Tensor3DStrategy(checkpoint_on_preemption=...))")
+    return f"tensor3d: rank {rank} received {name}; every rank stopped at global step {step} and {saved}"
+
+
+class StopOnPreemption:
+    """Strategy mixin: a :class:`PreemptionWatch` over the training steps, and the agreed stop.
+
+    The strategy sets :attr:`checkpoint_on_preemption` (a path or None) in its constructor.
+    """
+
+    checkpoint_on_preemption: Path | None = None
+    _watch: PreemptionWatch | None = None
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._watch = PreemptionWatch(self.global_rank)
+        self._watch.install(self._timeout)  # after Lightning's own SIGTERM handler, which it replaces during training
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        stop = self._watch.agreed() if self._watch is not None else None
+        if stop is not None:
+            self._stop(*stop)
+
+    def _stop(self, signum: int, rank: int) -> None:
+        """Every rank, at the same step: the checkpoint (if asked for), rank 0's message, then :class:`Preempted`."""
+        trainer = self.lightning_module.trainer
+        self._watch.deadline(f"tensor3d: rank {self.global_rank}: stopping after {signal.Signals(signum).name} took more than "
+                             f"{self._watch.grace.total_seconds():.0f} s (a peer died or stalled); exiting now", 128 + signum)
+        path = self.checkpoint_on_preemption
+        if path is not None:
+            trainer.save_checkpoint(path)
+        message = stop_message(signum, rank, trainer.global_step, path)
+        if self.is_global_zero:
+            print(message, file=sys.stderr, flush=True)
+        raise Preempted(signum, message)
+
+    def on_train_end(self) -> None:
+        self._end_watch()
+        super().on_train_end()
+
+    def teardown(self) -> None:
+        self._end_watch()
+        super().teardown()
+
+    def _end_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.uninstall()
+            self._watch = None

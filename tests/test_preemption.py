@@ -1,0 +1,66 @@
+"""SIGTERM to one rank of a Lightning run: every rank stops at the same step, saves, exits; resuming loses nothing.
+
+Real processes launched by Lightning (4 ranks, gloo, collective timeout 60 s); the driver is
+``lightning_scripts/preempt.py``. Without the agreed stop, the signalled rank would leave alone and
+the others would wait in their next collective until the timeout.
+"""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
+
+import common
+from test_strategy import SCRIPTS, _env, assert_close, records
+
+from lightning_3d import checkpoint as ckpt
+from lightning_3d.strategy.preemption import Preempted, PreemptionWatch
+
+
+def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_resume_is_exact(tmp_path):
+    driver = [sys.executable, str(SCRIPTS / "preempt.py"), str(tmp_path)]
+    run = subprocess.run(driver + ["preempt"], env=_env(), capture_output=True, text=True, timeout=240, check=False)
+    log = run.stdout + run.stderr
+    assert run.returncode == 128 + signal.SIGTERM, f"exit status {run.returncode}:\n{log[-3000:]}"
+    saved = tmp_path / "preempted.ckpt"
+    assert f"tensor3d: rank 2 received SIGTERM; every rank stopped at global step 3 and saved a checkpoint to {saved}" in log, log[-3000:]
+    assert log.count("received SIGTERM; every rank stopped") == 1, "the stop must be announced once, by rank 0"
+    signalled = float((tmp_path / "signalled_at").read_text())
+    exits = [float((tmp_path / f"exit.rank{r}").read_text()) for r in range(4)]
+    assert max(exits) - signalled < 30, f"ranks exited {[round(e - signalled, 1) for e in exits]} s after the signal"
+    assert ckpt.read_layout(saved) and (saved / "meta.pt").is_file()
+
+    resumed = subprocess.run(driver + ["resume"], env=_env(), capture_output=True, text=True, timeout=240, check=False)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    rec = records(tmp_path, "resumed")
+    assert all(r["global_step"] == 9 for r in rec)
+    assert_close(rec[0]["loss"], common.dense_reference(9)["loss"][3:9], "losses after resuming from the preemption checkpoint")
+
+
+def test_a_second_signal_or_a_stalled_stop_exits_at_once():
+    """The deadline and the second signal end the process with 128 + signal and one line, whatever it was doing."""
+    code = ("import datetime, os, signal, time\n"
+            "from lightning_3d.strategy.preemption import PreemptionWatch\n"
+            "w = PreemptionWatch(rank=3, grace=datetime.timedelta(seconds={grace}))\n"
+            "w.take_signals()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "{then}\n"
+            "time.sleep(60)\n")
+    start = time.monotonic()
+    stalled = subprocess.run([sys.executable, "-c", code.format(grace=1, then="pass")], capture_output=True, text=True, timeout=60)
+    assert stalled.returncode == 143 and "rank 3 received SIGTERM but the ranks did not stop within 1 s" in stalled.stderr
+    again = subprocess.run([sys.executable, "-c", code.format(grace=30, then="os.kill(os.getpid(), signal.SIGINT)")],
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode == 130 and "rank 3 received SIGINT again while stopping" in again.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_preempted_is_a_clean_exit_with_the_signal_status():
+    stop = Preempted(signal.SIGINT, "why")
+    assert isinstance(stop, SystemExit) and stop.code == 130 and str(stop) == "why"
+    assert PreemptionWatch(rank=0).signum == 0
