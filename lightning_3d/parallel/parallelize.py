@@ -50,7 +50,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, *, grid: Grid | None
     Raises:
         ValueError: no built-in plan; a module holding parameters that no rule maps; a pattern
             matching nothing (strict plans); a module a rule cannot represent; sizes that do not
-            split on the grid. Raised before the model is changed, except for the last two.
+            split on the grid. All raised before the model is changed.
     """
     grid = resolve_grid(grid)
     plan = plan if plan is not None else find_plan(model)
@@ -62,8 +62,9 @@ def parallelize(model: nn.Module, plan: Plan | None = None, *, grid: Grid | None
         plan.validate(model, grid)
     order, rules = _match(model, plan)
     units = _checkpoint_units(model, plan)
+    built = {name: _build(name, dict(order)[name], rule, grid, options) for name, rule in rules.items()}
     device = torch.device(device) if device is not None else torch.get_default_device()
-    _Converter(model, plan, grid, options, device).run(order, rules)
+    _Converter(model, plan, grid, device).run(order, rules, built)
     for unit in units:
         recompute_when_enabled(unit, options)
     attach_model_hooks(model, plan, grid, options)
@@ -118,6 +119,18 @@ def _check_used(model: nn.Module, patterns, names, what: str) -> None:
                          "fix them or pass Plan(strict=False)")
 
 
+def _build(name: str, module: nn.Module, rule: Rule, grid: Grid, options: RuntimeOptions) -> nn.Module:
+    """The rule's 3-D module on ``meta``, every 3-D layer in it reading ``options``; errors name the module."""
+    try:
+        new = rule.build(name, module, grid, options)
+    except ValueError as e:
+        raise ValueError(e.args[0] if str(e).startswith(name) else f"{name}: {e}") from e
+    for layer in new.modules():
+        if isinstance(layer, Module3D):
+            layer.options = options
+    return new
+
+
 def _checkpoint_units(model: nn.Module, plan: Plan) -> list[nn.Module]:
     names = dict(model.named_modules())
     units = [m for n, m in names.items() if any(matches(p, n) for p in plan.checkpoint)]
@@ -129,19 +142,19 @@ def _checkpoint_units(model: nn.Module, plan: Plan) -> list[nn.Module]:
 class _Converter:
     """One pass over the model in pre-order: initialise meta tensors, build, shard and swap in each mapped module."""
 
-    def __init__(self, model: nn.Module, plan: Plan, grid: Grid, options: RuntimeOptions, device: torch.device):
-        self.model, self.plan, self.grid, self.options, self.device = model, plan, grid, options, device
+    def __init__(self, model: nn.Module, plan: Plan, grid: Grid, device: torch.device):
+        self.model, self.plan, self.grid, self.device = model, plan, grid, device
         # parameters held by several modules (ties): the dense one kept alive until its last holder is converted
         counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
         self.holders = {k: n for k, n in counts.items() if n > 1}
         self.converted: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
 
-    def run(self, order: list[tuple[str, nn.Module]], rules: dict[str, Rule]) -> None:
+    def run(self, order: list[tuple[str, nn.Module]], rules: dict[str, Rule], built: dict[str, nn.Module]) -> None:
         for name, module in order:
             originals = {n: p for n, p in module._parameters.items() if p is not None}
             self._materialise(name, module, originals)
             if name in rules:
-                self._replace(name, module, rules[name], originals)
+                self._replace(name, module, rules[name], built[name], originals)
 
     def _tied(self, p: torch.Tensor) -> nn.Parameter | None:
         entry = self.converted.get(id(p))
@@ -172,11 +185,7 @@ class _Converter:
             module._buffers[n] = t
 
     @torch.no_grad()
-    def _replace(self, name: str, module: nn.Module, rule: Rule, originals: dict[str, nn.Parameter]) -> None:
-        new = rule.build(name, module, self.grid, self.options)
-        for layer in new.modules():  # every 3-D layer reads the one options object
-            if isinstance(layer, Module3D):
-                layer.options = self.options
+    def _replace(self, name: str, module: nn.Module, rule: Rule, new: nn.Module, originals: dict[str, nn.Parameter]) -> None:
         dense = rule.dense_tensors(module)
         real = [t for t in dense.values() if t is not None and not t.is_meta]
         new.to_empty(device=real[0].device if real else self.device)
