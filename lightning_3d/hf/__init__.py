@@ -1,0 +1,14 @@
+"""Hugging Face ``transformers`` models on the grid: built-in plans, their call interface, ``save_pretrained``.
+
+``lightning_3d.parallelize(model)`` finds the plan of a ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
+``MistralForCausalLM`` or ``Qwen2ForCausalLM`` by its class name (:mod:`.plans`); the parallelized
+model keeps its call interface (:mod:`.interface`); :func:`save_pretrained` writes it back as a
+folder ``from_pretrained`` loads. ``transformers`` is imported only when such a model runs or is saved.
+"""
+
+from .export import hf_state_dict, save_pretrained
+from .plans import register_builtin_plans
+
+register_builtin_plans()
+
+__all__ = ["hf_state_dict", "save_pretrained"]

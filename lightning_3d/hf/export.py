@@ -1,0 +1,83 @@
+"""``save_pretrained``: a parallelized Hugging Face model back to a folder that ``from_pretrained`` loads."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel import Linear, Plan, dense_state_dict, find_plan
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def _tied_copies(model: nn.Module) -> set[str]:
+    """Keys of parameters shared with an earlier key (a tied LM head's weight, saved under its embedding's key)."""
+    first: dict[int, str] = {}
+    later = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            later.add(name)
+        else:
+            first[id(p)] = name
+    return later
+
+
+def hf_state_dict(model: nn.Module, plan: Plan | None = None) -> dict[str, torch.Tensor]:
+    """The full state dict of a parallelized ``transformers`` model as the unparallelized model holds it.
+
+    :func:`lightning_3d.dense_state_dict` with the weights of the plan's ``Linear(transposed=True)``
+    modules (``Conv1D``) back in ``[in, out]``; ``plan`` defaults to the model's built-in plan.
+    Collective over the cube; every cube rank gets the tensors.
+    """
+    plan = plan if plan is not None else find_plan(model)
+    state_dict = dense_state_dict(model)
+    for name, _ in model.named_modules():
+        rule = plan.rule_for(name)
+        if isinstance(rule, Linear) and rule.transposed:
+            state_dict[f"{name}.weight"] = state_dict[f"{name}.weight"].t()
+    return state_dict
+
+
+def write_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor], path: str | os.PathLike,
+                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """Write ``model``'s config (and generation config), and ``state_dict`` as safetensors shards, to ``path``.
+
+    ``state_dict``: full tensors under the Hugging Face model's own keys. No communication.
+    """
+    from huggingface_hub import save_torch_state_dict
+
+    os.makedirs(path, exist_ok=True)
+    tied = _tied_copies(model)
+    state_dict = {k: t.detach().contiguous() for k, t in state_dict.items() if k not in tied}
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    floating = next((t.dtype for t in state_dict.values() if t.is_floating_point()), None)
+    if floating is not None:
+        config.dtype = floating
+    config.save_pretrained(path)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(path)
+    save_torch_state_dict(state_dict, path, max_shard_size=max_shard_size, metadata={"format": "pt"})
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *, plan: Plan | None = None,
+                    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """Save a parallelized ``transformers`` model as a folder that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    Collective: call it on every rank. Each cube assembles the full tensors under the original
+    model's keys (:func:`hf_state_dict`: the vocabulary padding dropped, ``Conv1D`` weights back in
+    ``[in, out]``; ``plan``: the one the model was parallelized with, by default its built-in
+    plan); global rank 0 writes ``config.json``, ``generation_config.json``
+    and ``model.safetensors`` (sharded above ``max_shard_size``, with its index), a tied LM head
+    under its embedding's key only. Every rank returns once the folder is complete.
+    """
+    state_dict = hf_state_dict(model, plan)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_pretrained(model, state_dict, path, max_shard_size)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,150 @@
+"""The Hugging Face call interface of a parallelized causal LM: inputs laid out per rank, the 3-D loss.
+
+``model(input_ids, attention_mask=..., position_ids=..., labels=...)`` keeps working on the grid:
+
+- ``input_ids`` and ``labels`` are the full batch ``[b, s]`` on every cube rank; the embedding
+  keeps its z-layout rows (block ``(i, j)``), the loss its y-layout rows (block ``(i, l)``).
+- Attention runs on y-layout rows, so a forward pre-hook on the model turns a padding mask (or
+  per-sequence position ids) into the 4-D mask of this rank's y rows, built by transformers'
+  own ``create_causal_mask`` for the configured attention implementation (padding and packed
+  sequences included); the model passes a 4-D mask through unchanged. Without either, the model builds none (causal SDPA).
+- Per-sequence ``position_ids`` ``[b, s]`` are cut to the rows they are used on: the y rows for
+  RoPE (Llama), the z rows for a position table added to the embedding (GPT-2). With them, the
+  4-D mask is always built here, so the model never reads them against its z-layout batch.
+- ``labels`` give the model's loss through :func:`causal_lm_loss_3d`: transformers' label shift,
+  ``-100`` ignored, the vocabulary-parallel cross-entropy; the same scalar on every cube rank.
+- ``logits`` in the output are this rank's y-layout block ``[b/(px·pz), s, V'/py]``.
+
+Refused with a ``ValueError``: ``inputs_embeds``, a KV cache (``cache``/``past_key_values``,
+``use_cache=True``); ``use_cache`` left unset is passed as False (the config is not changed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..grid import Grid
+from ..ops.cross_entropy import vocab_parallel_cross_entropy
+
+CACHE_ARGS = ("cache", "past_key_values")
+
+
+def row_block(grid: Grid, row_axes: str, batch: int) -> slice:
+    """The rows of a full batch that this rank's ``row_axes`` block holds (``"xy"``: z-layout, ``"xz"``: y-layout)."""
+    n = batch // grid.size(row_axes)
+    start = grid.rank_in(row_axes) * n
+    return slice(start, start + n)
+
+
+def _per_sequence(position_ids: torch.Tensor | None) -> bool:
+    return position_ids is not None and position_ids.dim() == 2 and position_ids.shape[0] > 1
+
+
+def _check_batch(input_ids: torch.Tensor, grid: Grid) -> None:
+    px, py, pz = grid.shape
+    multiple = math.lcm(px * py, px * pz)
+    if input_ids.dim() != 2 or input_ids.shape[0] % multiple:
+        raise ValueError(f"input_ids {list(input_ids.shape)}: the parallelized model takes the full batch [b, s] on every "
+                         f"cube rank, with b a multiple of lcm(px·py, px·pz) = {multiple} on grid {grid.shape}")
+
+
+def _check_same_batch(name: str, t: torch.Tensor | None, input_ids: torch.Tensor, dims: int) -> None:
+    if t is not None and (t.shape[0] != input_ids.shape[0] or t.dim() < dims):
+        raise ValueError(f"{name} {list(t.shape)}: expected the full batch of input_ids {list(input_ids.shape)} "
+                         f"(the same tensor on every cube rank)")
+
+
+def attention_rows_mask(model: nn.Module, grid: Grid, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                        position_ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The attention mask of this rank's y-layout rows, as the model would build it for them (None: plain causal)."""
+    from transformers.masking_utils import create_causal_mask
+
+    b, s = input_ids.shape
+    rows = row_block(grid, "xz", b)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask[rows]
+    per_sequence = _per_sequence(position_ids)
+    return create_causal_mask(
+        config=model.config,
+        inputs_embeds=torch.empty(rows.stop - rows.start, s, 0, dtype=dtype, device=input_ids.device),
+        attention_mask=None if attention_mask is None else attention_mask[rows],
+        cache=None,
+        position_ids=position_ids[rows] if per_sequence else position_ids,
+        # with per-sequence positions the model must not build a mask of its own (its batch is z-layout)
+        allow_is_causal_skip=not per_sequence,
+    )
+
+
+def lay_out_inputs(model: nn.Module, grid: Grid, args: tuple, kwargs: dict, *, position_rows: str) -> tuple[tuple, dict]:
+    """A plan's ``before_forward``: check the call, lay its mask and position ids out for this rank.
+
+    ``position_rows``: the rows the model's position ids are used on, ``"xz"`` (y-layout: RoPE in
+    attention) or ``"xy"`` (z-layout: a position table added to the embedding).
+    """
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    call = dict(bound.arguments)
+    call.update(call.pop("kwargs", {}))
+    if call.get("inputs_embeds") is not None or call.get("input_ids") is None:
+        raise ValueError("the parallelized model takes input_ids (the full batch on every cube rank), not inputs_embeds")
+    if any(call.get(name) is not None for name in CACHE_ARGS) or call.get("use_cache"):
+        raise ValueError("the parallelized model keeps no KV cache: call it without cache/past_key_values and with "
+                         "use_cache=False (or unset)")
+    call["use_cache"] = False
+    input_ids = call["input_ids"]
+    _check_batch(input_ids, grid)
+    mask, positions = call.get("attention_mask"), call.get("position_ids")
+    for name, t, dims in (("attention_mask", mask, 2), ("labels", call.get("labels"), 2)):
+        _check_same_batch(name, t, input_ids, dims)
+    if positions is not None and positions.shape[0] != 1:
+        _check_same_batch("position_ids", positions, input_ids, 2)
+    if mask is not None or _per_sequence(positions):
+        dtype = model.get_input_embeddings().weight.dtype
+        call["attention_mask"] = attention_rows_mask(model, grid, input_ids, mask, positions, dtype)
+    if _per_sequence(positions):
+        call["position_ids"] = positions[row_block(grid, position_rows, positions.shape[0])]
+    return (), call
+
+
+def attention_input_as_y_batch(attention: nn.Module, args: tuple, kwargs: dict, *, grid: Grid) -> tuple[tuple, dict]:
+    """Forward pre-hook of an attention that views its projections with its input's batch (Llama's).
+
+    The input is z-layout ``[b/(px·py), s, h/pz]``, the projections' outputs are y-layout
+    ``[b/(px·pz), s, ·]``. The input is passed on as a view of the same elements shaped
+    ``[b/(px·pz), s, h/py]``, so that the attention's reshapes see the y-layout batch; the
+    projections view it back (:func:`projection_input_as_z`). A no-op when ``py = pz``.
+    """
+    bound = inspect.signature(attention.forward).bind(*args, **kwargs)
+    call = dict(bound.arguments)
+    call.update(call.pop("kwargs", {}))
+    x = call["hidden_states"]
+    py, pz = grid.size("y"), grid.size("z")
+    call["hidden_states"] = x.reshape(x.shape[0] * py // pz, x.shape[1], x.shape[2] * pz // py)
+    return (), call
+
+
+def projection_input_as_z(projection: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook of a projection after :func:`attention_input_as_y_batch`: its z-layout input back."""
+    (x,) = args
+    return (x.reshape(-1, x.shape[1], projection.in_features // projection.grid.size("z")),)
+
+
+def causal_lm_loss_3d(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None, *, grid: Grid,
+                      num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
+                      shift_labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """transformers' causal-LM loss on y-layout logits ``[b/(px·pz), s, V'/py]`` and full labels ``[b, s]``.
+
+    Labels are shifted as transformers shifts them (position ``t`` predicts label ``t+1``; the last
+    position is ignored) unless ``shift_labels`` is given. The mean over non-ignored tokens, or
+    their sum over ``num_items_in_batch`` when given; the same scalar on every cube rank.
+    """
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = vocab_parallel_cross_entropy(logits, shift_labels.to(logits.device), ignore_index, grid)
+    if num_items_in_batch is not None:
+        loss = loss * (shift_labels != ignore_index).sum() / num_items_in_batch
+    return loss

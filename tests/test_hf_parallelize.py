@@ -1,0 +1,143 @@
+"""Hugging Face causal LMs through ``parallelize`` with their built-in plans, against the unmodified model.
+
+One world of 8 sweeps the grids 1×1×1, 2×1×1, 1×2×1, 1×2×2, 2×2×1 (dp 2) and 2×2×2 (the rest of
+the world is dp, each replica on its own batch): tiny random ``LlamaForCausalLM`` (GQA: 4 heads,
+2 key/value heads; tied head with a padding mask, untied with per-sequence position ids) and
+``GPT2LMHeadModel`` (padding mask and per-sequence position ids), in float64.
+
+The reference is the unmodified model, with two float64 adjustments that leave the model the same:
+``LlamaRMSNorm`` computes in float32 by design, so the reference's norms are swapped for
+``nn.RMSNorm`` (same weight and eps); and transformers' loss upcasts logits to float32, so the
+reference loss is the float64 cross-entropy of the reference logits with transformers' shift.
+transformers' own loss is then checked to float32 precision. The reference runs with
+``use_cache=False``, as the parallelized model does (with a cache, transformers does not read
+packed sequences from position ids).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import harness
+import pytest
+import torch
+import torch.nn.functional as F
+from checks import assert_close, on_grids, rel, seed_for
+from torch import nn
+
+from lightning_3d.layout import gather_activation
+
+B, S, V = 4, 8, 60  # V pads to 64 on grids with px·py = 4
+GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2), (2, 2, 1), (2, 2, 2)]  # in a world of 8: dp = 8, 4, 4, 2, 2, 1
+F64 = torch.float64
+HF_LOSS_TOL = 1e-6  # transformers computes its loss (and Llama's norms) in float32
+
+
+def llama(tied: bool, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=tied, **kw)
+    return LlamaForCausalLM(cfg)
+
+
+def gpt2(tied: bool = True, **kw):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=4, n_positions=16, tie_word_embeddings=tied,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **kw)
+    return GPT2LMHeadModel(cfg)
+
+
+MODELS = {"llama_tied": lambda: llama(True), "llama_untied": lambda: llama(False), "gpt2": gpt2}
+# (padding mask, per-sequence position ids) of each model's batch
+INPUTS = {"llama_tied": (True, False), "llama_untied": (False, True), "gpt2": (True, True)}
+
+
+def perturbed(make, seed: int) -> nn.Module:
+    """The model in float64 with every parameter moved off its init (no unit norms, no zero biases)."""
+    torch.manual_seed(seed)
+    model = make().to(F64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def float64_reference(model: nn.Module) -> nn.Module:
+    """A copy whose RMSNorms compute in float64 (``LlamaRMSNorm`` casts to float32 first)."""
+    ref = copy.deepcopy(model)
+    for name, module in list(ref.named_modules()):
+        if type(module).__name__ == "LlamaRMSNorm":
+            norm = nn.RMSNorm(module.weight.shape[0], eps=module.variance_epsilon, dtype=F64)
+            norm.weight = module.weight
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent), child, norm)
+    return ref
+
+
+def batch(grid, seed: int, padded: bool, positions: bool) -> dict:
+    """Fresh ids per dp replica, labels with ignored tokens, optionally left and right padding and shuffled positions."""
+    torch.manual_seed(seed_for(grid, seed))
+    ids = torch.randint(0, V, (B, S))
+    labels = ids.clone()
+    labels[0, 2] = labels[3, 5] = -100
+    call = {"input_ids": ids, "labels": labels}
+    if padded:
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[1, :3] = 0  # left padding
+        mask[2, 6:] = 0  # right padding
+        labels[mask == 0] = -100
+        call["attention_mask"] = mask
+    if positions:
+        call["position_ids"] = torch.stack([torch.randperm(16)[:S].sort().values for _ in range(B)])
+    return call
+
+
+def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss in float64: position t predicts label t+1."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def equivalence(grid, name: str) -> dict:
+    from lightning_3d.hf import hf_state_dict
+    from lightning_3d.parallel import parallelize
+
+    dense = perturbed(MODELS[name], 1)
+    ref = float64_reference(dense)
+    call = batch(grid, 2, *INPUTS[name])
+    hf_loss = dense(**call, use_cache=False).loss.detach()  # the parallelized model runs without a KV cache
+    ref_logits = ref(**{k: v for k, v in call.items() if k != "labels"}, use_cache=False).logits
+    ref_loss = shifted_loss(ref_logits, call["labels"])
+    ref_loss.backward()
+
+    model = parallelize(dense, grid=grid)  # in place: ``dense`` is the parallelized model from here on
+    out = model(**call)
+    out.loss.backward()
+    logits = gather_activation(out.logits.detach(), "y", grid)
+    errs = {"loss": rel(out.loss.detach(), ref_loss.detach()), "logits": rel(logits[..., :V], ref_logits.detach()),
+            "padded_logits_lowest": float(not (logits[..., V:] == torch.finfo(F64).min).all()),
+            "f32_hf_loss": rel(out.loss.detach(), hf_loss)}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.grad)
+    grads = hf_state_dict(model)
+    errs.update({"d" + k: rel(grads[k], p.grad) for k, p in ref.named_parameters()})
+    return {f"{name}_{k}": e for k, e in errs.items()}
+
+
+def equivalence_job(grid) -> dict:
+    return {k: e for name in MODELS for k, e in equivalence(grid, name).items()}
+
+
+def split_by_tolerance(results: list) -> tuple[list, list]:
+    """Per-rank results → (float64 errors, errors against transformers' float32 computations)."""
+    f64 = [{g: {k: e for k, e in errs.items() if not k.endswith("f32_hf_loss")} for g, errs in r.items()} for r in results]
+    f32 = [{g: {k: e for k, e in errs.items() if k.endswith("f32_hf_loss")} for g, errs in r.items()} for r in results]
+    return f64, f32
+
+
+def test_hf_models_equal_dense_on_grids():
+    f64, f32 = split_by_tolerance(harness.run(8, on_grids, GRIDS, equivalence_job))
+    assert_close(f64, tol=1e-10)
+    assert_close(f32, tol=HF_LOSS_TOL)
