@@ -62,7 +62,9 @@ def parallelize(model: nn.Module, plan: Plan | None = None, *, grid: Grid | None
         plan.validate(model, grid)
     order, rules = _match(model, plan)
     units = _checkpoint_units(model, plan)
-    built = {name: _build(name, dict(order)[name], rule, grid, options) for name, rule in rules.items()}
+    modules = dict(order)
+    built = {name: _build(name, modules[name], rule, grid, options) for name, rule in rules.items()}
+    del modules
     device = torch.device(device) if device is not None else torch.get_default_device()
     _Converter(model, plan, grid, device).run(order, rules, built)
     for unit in units:
@@ -150,11 +152,16 @@ class _Converter:
         self.converted: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
 
     def run(self, order: list[tuple[str, nn.Module]], rules: dict[str, Rule], built: dict[str, nn.Module]) -> None:
-        for name, module in order:
+        """Convert the modules of ``order`` (emptied as it goes, so that each replaced module's
+        dense tensors are freed as soon as the module is swapped out)."""
+        order.reverse()
+        while order:
+            name, module = order.pop()
             originals = {n: p for n, p in module._parameters.items() if p is not None}
             self._materialise(name, module, originals)
             if name in rules:
-                self._replace(name, module, rules[name], built[name], originals)
+                self._replace(name, module, rules[name], built.pop(name), originals)
+            del module, originals
 
     def _tied(self, p: torch.Tensor) -> nn.Parameter | None:
         entry = self.converted.get(id(p))
