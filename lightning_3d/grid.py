@@ -1,7 +1,11 @@
 """The process grid: ``world = dp · px · py · pz`` ranks with coordinates ``(d, i, j, l)``.
 
-Ranks are laid out dp-major, then x, y, z (z fastest), so a cube of consecutive ranks shares a
-host when it fits one. Every group a layer needs is built once, at construction, by every rank
+Ranks are laid out dp-major, then x, y, z (z fastest): ``rank = ((d·px + i)·py + j)·pz + l``.
+Launchers number ranks node by node, so each cube lies inside one node whenever ``px·py·pz``
+divides the ranks per node, and only dp spans nodes. A cube larger than a node spans nodes along
+x first (its outermost axis), then y: x groups move weights only (gathered one product ahead and
+hidden behind the previous one), while y and z groups move the activations on every product's
+critical path. :attr:`Grid.axes_across_nodes` records which axes span nodes. Every group a layer needs is built once, at construction, by every rank
 (process-group creation is collective): the four axes of the :class:`DeviceMesh`, the three
 planes and the whole cube.
 """
@@ -11,11 +15,15 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+import socket
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from . import arguments
+from .agreement import exchange, require_equal
 
 CUBE_AXES = ("x", "y", "z")
 MESH_AXES = ("dp",) + CUBE_AXES
@@ -40,7 +48,9 @@ class Grid:
 
     Build it with :func:`init_grid`. ``shape`` is ``(px, py, pz)``; ``coords`` is ``(d, i, j, l)``;
     ``async_tp``: the 3-D products run their gathers and scatters as collective matmuls
-    (:mod:`lightning_3d.ops.async_tp`).
+    (:mod:`lightning_3d.ops.async_tp`). ``axes_across_nodes``: the axes (of ``"dp"``, ``"x"``,
+    ``"y"``, ``"z"``) some of whose groups span more than one node; ``("dp",)`` or ``()`` when
+    every cube fits in a node.
     """
 
     shape: tuple[int, int, int]
@@ -50,6 +60,7 @@ class Grid:
     timeout: datetime.timedelta | None
     _groups: dict[str, dist.ProcessGroup] = field(repr=False)
     async_tp: bool = False
+    axes_across_nodes: tuple[str, ...] = ()
 
     @property
     def cube_size(self) -> int:
@@ -92,15 +103,12 @@ class Grid:
 
     def __repr__(self) -> str:
         px, py, pz = self.shape
-        return f"Grid({px}×{py}×{pz}, dp={self.data_parallel_size}, coords={self.coords}{', async_tp' if self.async_tp else ''})"
+        nodes = f", across nodes: {'+'.join(self.axes_across_nodes)}" if self.axes_across_nodes else ""
+        return f"Grid({px}×{py}×{pz}, dp={self.data_parallel_size}, coords={self.coords}{', async_tp' if self.async_tp else ''}{nodes})"
 
 
-def _check_shape(shape: tuple[int, int, int], world: int, dp: int | None) -> tuple[tuple[int, int, int], int]:
-    shape = tuple(int(s) for s in shape)
-    if len(shape) != 3:
-        raise ValueError(f"grid shape must be (px, py, pz), got {shape}")
-    if min(shape) < 1:
-        raise ValueError(f"every grid axis must be >= 1, got (px, py, pz) = {shape}")
+def _check_shape(shape: object, world: int, dp: object) -> tuple[tuple[int, int, int], int]:
+    shape = arguments.grid_shape(shape)
     cube = shape[0] * shape[1] * shape[2]
     if dp is None:
         if world % cube:
@@ -109,8 +117,7 @@ def _check_shape(shape: tuple[int, int, int], world: int, dp: int | None) -> tup
                 f"launch a multiple of {cube} processes or pick a grid whose product divides {world}"
             )
         dp = world // cube
-    if dp < 1:
-        raise ValueError(f"data_parallel_size must be >= 1, got {dp}")
+    dp = arguments.positive_int(dp, "data_parallel_size")
     if dp * cube != world:
         raise ValueError(
             f"world size {world} != dp·px·py·pz = {dp}·{shape[0]}·{shape[1]}·{shape[2]} = {dp * cube}; "
@@ -119,12 +126,20 @@ def _check_shape(shape: tuple[int, int, int], world: int, dp: int | None) -> tup
     return shape, dp
 
 
-def _ranks_per_node(device_type: str, world: int) -> int:
-    """Ranks on this node: the launcher's ``LOCAL_WORLD_SIZE``, else the visible GPUs (CUDA), else all."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local:
-        return int(local)
-    return torch.cuda.device_count() if device_type == "cuda" else world
+def node_name() -> str:
+    """This process's node: the host name, and the launcher's node rank where it sets one
+    (``NODE_RANK``: Lightning; ``GROUP_RANK``: torchrun), so that several launchers on one host count
+    as several nodes."""
+    rank = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", ""))
+    return f"{socket.gethostname()}#{rank}" if rank else socket.gethostname()
+
+
+def axes_across_nodes(mesh_shape: tuple[int, int, int, int], nodes: list[str]) -> tuple[str, ...]:
+    """The mesh axes (of ``MESH_AXES``) some of whose groups hold ranks of more than one node;
+    ``nodes[r]`` names the node of global rank ``r``."""
+    where = torch.tensor([sorted(set(nodes)).index(n) for n in nodes]).reshape(mesh_shape)
+    return tuple(axis for d, axis in enumerate(MESH_AXES)
+                 if bool((where.amax(d) != where.amin(d)).any()))
 
 
 def _default_timeout() -> datetime.timedelta | None:
@@ -155,38 +170,51 @@ def init_grid(
     data_parallel_size: int | None = None,
     *,
     device_type: str | None = None,
-    timeout: datetime.timedelta | None = None,
+    timeout: datetime.timedelta | float | None = None,
     async_tp: bool = False,
 ) -> Grid:
     """Build the grid on the initialised default process group and make it the current grid.
 
+    Collective over the whole world: every rank must pass the same arguments. One small
+    all-gather first compares them (and learns which node each rank runs on), so ranks that
+    disagree all raise at once instead of hanging in mismatched groups.
+
     Args:
-        shape: ``(px, py, pz)``.
-        data_parallel_size: number of model replicas; defaults to ``world // (px·py·pz)``.
+        shape: ``(px, py, pz)``, three positive ints (a string such as ``"2x2x1"`` is refused).
+        data_parallel_size: number of model replicas, a positive int; defaults to ``world // (px·py·pz)``.
         device_type: ``"cuda"`` or ``"cpu"``; defaults to the default backend's device.
-        timeout: collective timeout of every group; defaults to the default group's.
-        async_tp: run each 3-D product's activation gather or scatter as a collective matmul,
-            pipelined block by block with the product (symmetric memory on CUDA: every rank of a
-            cube must reach its peers' memory, i.e. one NVLink domain; see
+        timeout: collective timeout of every group, a positive ``timedelta`` or seconds; defaults
+            to the default group's.
+        async_tp: ``True`` runs each 3-D product's activation gather or scatter as a collective
+            matmul, pipelined block by block with the product (symmetric memory on CUDA: every
+            rank of a cube must reach its peers' memory, i.e. one node's NVLink domain; see
             :mod:`lightning_3d.ops.async_tp`).
 
     Raises:
-        ValueError: the world size is not ``dp·px·py·pz``, an axis is < 1, or ``async_tp`` cannot
-            run on ``device_type``.
+        ValueError: the ranks passed different arguments; an argument of the wrong type or
+            range; the world size is not ``dp·px·py·pz``; or ``async_tp`` cannot run on
+            ``device_type`` or across the nodes a cube spans.
     """
     global _current
     if not dist.is_initialized():
         raise RuntimeError("init_grid needs an initialised default process group: call torch.distributed.init_process_group first")
     world = dist.get_world_size()
+    given = {"shape": tuple(shape) if isinstance(shape, (list, tuple)) else shape, "data_parallel_size": data_parallel_size,
+             "device_type": device_type, "timeout": timeout, "async_tp": async_tp}
+    # Agree before checking: a check that failed on some ranks only would leave the others waiting.
+    seen = exchange({**given, "node": node_name()}, dist.group.WORLD)
+    require_equal(seen, given, list(range(world)), "init_grid", "every rank must call init_grid with the same arguments")
+    nodes = [s["node"] for s in seen]
     shape, dp = _check_shape(shape, world, data_parallel_size)
+    async_tp = arguments.flag(async_tp, "async_tp")
+    timeout = arguments.timeout(timeout) if timeout is not None else _default_timeout()
     backend = dist.get_backend()
     if device_type is None:
         device_type = "cuda" if "nccl" in backend else "cpu"
     if async_tp:
         from .ops.async_tp import check_available
 
-        check_available(device_type, shape[0] * shape[1] * shape[2], _ranks_per_node(device_type, world))
-    timeout = timeout if timeout is not None else _default_timeout()
+        check_available(device_type, shape[0] * shape[1] * shape[2], nodes.count(nodes[dist.get_rank()]))
     mesh_shape = (dp,) + shape
     opts = _backend_options(backend, timeout)
     override = {name: (backend, opts) for name in MESH_AXES} if opts is not None else None
@@ -203,7 +231,8 @@ def init_grid(
             members = ranks.permute(rest + dims).reshape(-1, group_size)
             groups["".join(axes)], _ = dist.new_subgroups_by_enumeration(members.tolist(), timeout=timeout)
     coords = tuple(int(c) for c in mesh.get_coordinate())
-    _current = Grid(shape, dp, coords, mesh, timeout, groups, async_tp)
+    _current = Grid(shape=shape, data_parallel_size=dp, coords=coords, mesh=mesh, timeout=timeout, _groups=groups,
+                    async_tp=async_tp, axes_across_nodes=axes_across_nodes(mesh_shape, nodes))
     return _current
 
 

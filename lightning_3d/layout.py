@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .agreement import agree_on_first_call
 from .grid import Grid, resolve_grid
 from .sharding import ShardSpec, shard_tensor, unshard_tensor
 
@@ -88,9 +89,11 @@ class _Gather(torch.autograd.Function):
 def split_activation(full: torch.Tensor, layout: str | Layout = "z", grid: Grid | None = None) -> torch.Tensor:
     """This rank's block of a full activation ``[batch, ..., features]`` (the same on every cube rank).
 
-    Differentiable: the gradient of ``full`` is the full gradient, on every cube rank.
+    Differentiable: the gradient of ``full`` is the full gradient, on every cube rank. The first
+    call on a grid checks that every cube rank passed the same shape (one small all-gather).
     """
     grid = resolve_grid(grid)
+    agree_on_first_call(grid, grid.group("cube"), "split_activation input", full=full)
     spec = as_layout(layout).spec(tuple(full.shape))
     spec.check(grid, "activation")
     return _Split.apply(full, spec, grid)
@@ -99,6 +102,7 @@ def split_activation(full: torch.Tensor, layout: str | Layout = "z", grid: Grid 
 def gather_activation(local: torch.Tensor, layout: str | Layout = "z", grid: Grid | None = None) -> torch.Tensor:
     """The full activation ``[batch, ..., features]`` on every cube rank, from each rank's block."""
     grid = resolve_grid(grid)
+    agree_on_first_call(grid, grid.group("cube"), "gather_activation input", local=local)
     layout = as_layout(layout)
     shape = list(local.shape)
     shape[0] *= grid.size("x" + layout.row_axis)
@@ -107,7 +111,13 @@ def gather_activation(local: torch.Tensor, layout: str | Layout = "z", grid: Gri
 
 
 def check_local_activation(x: torch.Tensor, layout: Layout, features: int, grid: Grid, who: str) -> None:
-    """Raise ``ValueError`` unless ``x`` is a local block of a ``[batch, ..., features]`` activation in ``layout``."""
+    """Raise ``ValueError`` unless ``x`` is a local block of a ``[batch, ..., features]`` activation in ``layout``.
+
+    The first call of each ``who`` on a grid first checks that every cube rank holds a block of
+    the same shape, as the layout requires (one small all-gather), so that a batch the ranks
+    disagree on raises on all of them instead of hanging their collectives.
+    """
+    agree_on_first_call(grid, grid.group("cube"), who, input=x)
     f = grid.size(layout.feature_axis)
     if x.dim() < 2 or x.shape[-1] * f != features:
         raise ValueError(

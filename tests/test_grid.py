@@ -7,7 +7,7 @@ import torch.distributed as dist
 import harness
 from checks import GRIDS_8, local, on_grids, rel, seed_for
 from lightning_3d import Grid, gather_activation, init_grid, split_activation
-from lightning_3d.grid import _check_shape
+from lightning_3d.grid import _check_shape, axes_across_nodes
 
 
 def grid_job(grid: Grid):
@@ -71,6 +71,18 @@ def test_async_tp_refuses_a_cube_across_nodes():
     check_available("cuda", 4, 8)
     with pytest.raises(ValueError, match=r"every cube of px·py·pz = 8 ranks on one node .* a node runs 4 ranks: use a grid whose px·py·pz divides 4"):
         check_available("cuda", 8, 4)
+
+
+@pytest.mark.parametrize("mesh, nodes, axes", [
+    ((2, 2, 1, 1), "aabb", ("dp",)),  # cubes of 2 inside nodes of 2: dp across
+    ((4, 2, 2, 1), "aaaabbbbccccdddd", ("dp",)),
+    ((1, 2, 2, 2), "aaaabbbb", ("x",)),  # a cube of 8 on nodes of 4: x (weights only) across, y and z inside
+    ((1, 1, 4, 2), "aaaabbbb", ("y",)),
+    ((2, 2, 2, 2), "aaaaaaaabbbbbbbb", ("dp",)),
+    ((1, 2, 2, 1), "aaaa", ()),
+])
+def test_axes_across_nodes_follow_the_rank_order(mesh, nodes, axes):
+    assert axes_across_nodes(mesh, list(nodes)) == axes
 
 
 def test_init_grid_rejects_wrong_world_on_real_group():

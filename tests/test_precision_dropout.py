@@ -78,6 +78,19 @@ def test_dropout_streams_and_checkpoint_replay():
         assert 0.55 < res["keep"] < 0.85 and res["distinct"], res
 
 
+def test_dropout_rescales_kept_values_and_keeps_the_expectation():
+    """Kept elements are input / (1 − p), dropped ones 0, so E[dropout(x)] = x: the rescale is what
+    lets evaluation skip dropout (a mask fraction alone would pass without it)."""
+    p = 0.3
+    torch.manual_seed(70)
+    x = torch.rand(200_000, dtype=torch.float64) + 0.5
+    y = Dropout3D(p)(x)
+    kept = y != 0
+    assert torch.equal(y[kept], x[kept] / (1 - p)) and bool((y[~kept] == 0).all())
+    assert abs(float(kept.double().mean()) - (1 - p)) < 0.01
+    assert abs(float((y / x).mean()) - 1) < 0.01  # the expectation, ~5 standard deviations wide
+
+
 def test_core_imports_without_lightning_or_deepspeed():
     code = (
         "import sys, lightning_3d, lightning_3d.layers, lightning_3d.ops;"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..agreement import agree_on_first_call
 from ..grid import Grid
 from ..layout import Layout
 from ..ops.embedding import vocab_parallel_embedding
+from ..ops.token_ids import check_token_range
 from .base import Module3D, init_sharded_, sharded_parameter
 from .linear import linear_weight_spec
 
@@ -18,11 +20,20 @@ class VocabParallelEmbedding3D(Module3D):
     Local weight ``[V/(px·py), h/pz]``; an LM head ``Linear3D(h, V, input_layout="z")`` can share
     it. Input: token ids ``[b, ...]``, the same on every cube rank. Output: z-layout
     ``[b/(px·py), ..., h/pz]``.
+
+    Ids outside ``[0, vocab_size)`` raise ``ValueError`` on every cube rank, as in ``nn.Embedding``
+    (``vocab_size`` defaults to ``num_embeddings``; a table padded for the grid, as GPT3D's, passes
+    the true size, so that the padding rows are never looked up). The first call also checks that
+    every cube rank was given the same ids (one small all-gather over the cube).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, grid: Grid | None = None, device=None, dtype=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, grid: Grid | None = None, device=None, dtype=None,
+                 vocab_size: int | None = None):
         super().__init__(grid)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_size = num_embeddings if vocab_size is None else vocab_size
+        if not 0 < self.vocab_size <= num_embeddings:
+            raise ValueError(f"VocabParallelEmbedding3D: vocab_size {vocab_size} must be in [1, num_embeddings = {num_embeddings}]")
         spec = linear_weight_spec(num_embeddings, embedding_dim, Layout("z"))
         self.weight = sharded_parameter(spec, self.grid, f"VocabParallelEmbedding3D({num_embeddings}, {embedding_dim}) weight", device, dtype)
         self.reset_parameters()
@@ -32,6 +43,8 @@ class VocabParallelEmbedding3D(Module3D):
         init_sharded_(self.weight, self.grid, nn.init.normal_)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        agree_on_first_call(self, self.grid.group("cube"), "VocabParallelEmbedding3D input", ids=ids)
+        check_token_range(ids, self.vocab_size, "VocabParallelEmbedding3D", "token id")
         px, py, _ = self.grid.shape
         b = ids.shape[0]
         if b % (px * py):
@@ -45,4 +58,5 @@ class VocabParallelEmbedding3D(Module3D):
         return vocab_parallel_embedding(ids[i * rows : (i + 1) * rows], self.weight, vocab_start, self.grid.group("x"), self.grid.group("y"))
 
     def extra_repr(self) -> str:
-        return self._describe(num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim, layout="ids→z")
+        sizes = {"vocab_size": self.vocab_size} if self.vocab_size != self.num_embeddings else {}
+        return self._describe(num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim, **sizes, layout="ids→z")

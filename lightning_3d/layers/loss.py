@@ -5,17 +5,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..agreement import agree_on_first_call
 from ..grid import Grid, resolve_grid
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
 
 
 class CrossEntropyLoss3D(nn.Module):
-    """Mean cross-entropy of y-layout logits ``[b/(px·pz), ..., V/py]`` against full targets ``[b, ...]``."""
+    """Mean cross-entropy of y-layout logits ``[b/(px·pz), ..., V/py]`` against full targets ``[b, ...]``.
 
-    def __init__(self, ignore_index: int = -100, grid: Grid | None = None):
+    Targets outside ``[0, vocab_size)`` other than ``ignore_index`` raise ``ValueError`` on every
+    cube rank (``vocab_size`` defaults to the logits' full ``V``; pass the true size when ``V`` is
+    padded). The first call also checks that every cube rank was given the same targets.
+    """
+
+    def __init__(self, ignore_index: int = -100, grid: Grid | None = None, vocab_size: int | None = None):
         super().__init__()
         self.ignore_index = ignore_index
+        self.vocab_size = vocab_size
         self.grid = resolve_grid(grid)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.ignore_index, self.grid)
+        agree_on_first_call(self, self.grid.group("cube"), "CrossEntropyLoss3D targets", targets=targets, logits=logits)
+        return vocab_parallel_cross_entropy(logits, targets, self.ignore_index, self.grid, self.vocab_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .. import planner
+from .. import arguments, planner
 
 
 def auto_shape(n: int) -> tuple[int, int, int]:
@@ -18,25 +18,13 @@ def auto_shape(n: int) -> tuple[int, int, int]:
 
 
 def check_grid_arg(grid) -> str | tuple[int, int, int]:
-    """``"auto"`` or three positive ints ``(px, py, pz)``; ``ValueError`` otherwise."""
-    if grid == "auto":
-        return grid
-    try:
-        shape = tuple(int(s) for s in grid)
-    except (TypeError, ValueError):
-        shape = ()
-    if len(shape) != 3 or min(shape) < 1 or any(int(s) != s for s in grid):
-        raise ValueError(f"grid must be 'auto' or three positive ints (px, py, pz), e.g. (2, 2, 2); got {grid!r}")
-    return shape
+    """``"auto"`` or three positive ints ``(px, py, pz)`` (:func:`lightning_3d.arguments.grid_shape`); ``ValueError`` otherwise."""
+    return grid if grid == "auto" else arguments.grid_shape(grid)
 
 
 def check_dp_arg(dp) -> str | int:
     """``"auto"`` or a positive int; ``ValueError`` otherwise."""
-    if dp == "auto":
-        return dp
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"data_parallel_size must be 'auto' or a positive int, got {dp!r}")
-    return dp
+    return dp if dp == "auto" else arguments.positive_int(dp, "data_parallel_size")
 
 
 def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices_per_node: int,

@@ -1,0 +1,181 @@
+"""Bad input is caught where it enters: token ids and targets out of range, ranks that disagree on
+the grid or on a batch, and arguments of the wrong type. Each raises a clear error on every rank,
+within seconds, instead of a wrong loss, a hang or an abort of some ranks."""
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import harness
+from lightning_3d import (CrossEntropyLoss3D, Linear3D, VocabParallelEmbedding3D, arguments, gather_activation, init_grid,
+                          split_activation)
+from lightning_3d.models import GPT3D, GPTConfig
+from lightning_3d.strategy import grid_rules
+
+FAST = 30  # seconds: a hang would be cut at the workers' 60 s collective timeout
+TINY = GPTConfig(vocab_size=50, block_size=8, n_layer=1, n_head=2, n_embd=8)  # padded to 64 rows on the grid
+
+
+def _error(fn) -> str:
+    with pytest.raises(ValueError) as e:
+        fn()
+    return str(e.value)
+
+
+# ----- token ids and targets out of range -----
+
+
+def out_of_range_job():
+    grid = harness.grid((2, 2, 1))
+    torch.manual_seed(3)
+    emb, loss = VocabParallelEmbedding3D(16, 8, grid=grid), CrossEntropyLoss3D(grid=grid)
+    ids = torch.randint(0, 16, (4, 5))
+    logits = torch.randn(2, 5, 8)  # y-layout block of [4, 5, 16]
+    msgs = {}
+    for name, value in (("id_high", 16), ("id_negative", -1)):
+        bad = ids.clone()
+        bad[1, 2] = value
+        msgs[name] = _error(lambda: emb(bad))
+    for name, value in (("target_high", 16), ("target_negative", -3)):
+        bad = ids.clone()
+        bad[3, 4] = value
+        msgs[name] = _error(lambda: loss(logits, bad))
+    ignored = ids.clone()
+    ignored[0, 0] = -100
+    msgs["ignored_ok"] = bool(torch.isfinite(loss(logits, ignored)))
+    model = GPT3D(TINY, grid=grid)
+    bad = ids % 50
+    bad[2, 1] = 55  # inside the padded table of 64 rows, outside the vocabulary of 50
+    msgs["gpt_id"] = _error(lambda: model(bad))
+    msgs["gpt_target"] = _error(lambda: model(ids % 50, bad))
+    return msgs
+
+
+def test_ids_and_targets_out_of_range_raise_on_every_rank():
+    for m in harness.run(4, out_of_range_job, timeout=FAST):
+        assert "VocabParallelEmbedding3D: token id 16 at index (1, 2) of [4, 5] is outside [0, 16)" in m["id_high"], m
+        assert "token id -1 at index (1, 2)" in m["id_negative"] and "map the token ids into [0, 16)" in m["id_negative"], m
+        assert "target 16 at index (3, 4) of [4, 5] is outside [0, 16) or ignore_index -100" in m["target_high"], m
+        assert "target -3 at index (3, 4)" in m["target_negative"], m
+        assert m["ignored_ok"]
+        assert "token id 55 at index (2, 1) of [4, 5] is outside [0, 50)" in m["gpt_id"], m
+        assert "target 55 at index (2, 1) of [4, 5] is outside [0, 50)" in m["gpt_target"], m
+
+
+# ----- ranks that disagree -----
+
+
+def disagreeing_grid_job(kind):
+    rank = dist.get_rank()
+    args = {"shape": dict(shape=(2, 2, 1) if rank < 2 else (4, 1, 1)),
+            "dp": dict(shape=(2, 1, 1), data_parallel_size=2 if rank != 3 else None),
+            "async_tp": dict(shape=(2, 1, 1), async_tp=rank == 1)}[kind]
+    shape = args.pop("shape")
+    start = time.monotonic()
+    msg = _error(lambda: init_grid(shape, **args))
+    return msg, time.monotonic() - start
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("shape", "init_grid: the ranks disagree on shape = (2, 2, 1) on ranks 0-1, (4, 1, 1) on ranks 2-3"),
+    ("dp", "data_parallel_size = 2 on ranks 0-2, None on rank 3"),
+    ("async_tp", "async_tp = False on ranks 0, 2-3, True on rank 1"),
+])
+def test_ranks_that_disagree_on_the_grid_all_raise(kind, expected):
+    for msg, seconds in harness.run(4, disagreeing_grid_job, kind, timeout=FAST):
+        assert expected in msg and "every rank must call init_grid with the same arguments" in msg, msg
+        assert seconds < 10, seconds
+
+
+def different_batches_job():
+    """Rank 0 of a 2×2×1 cube is given a batch of 8 (or other ids), the others a batch of 4."""
+    grid = init_grid((2, 2, 1))  # fresh: each entry point checks on its first call on a grid
+    rank = dist.get_rank()
+    torch.manual_seed(5)
+    b = 8 if rank == 0 else 4
+    ids = torch.randint(0, 16, (b, 3))
+    other_ids = torch.full((4, 3), 1 if rank == 0 else 2)  # the same shape, another batch
+    cases = {
+        "embedding": lambda: VocabParallelEmbedding3D(16, 8, grid=grid)(ids),
+        "embedding_ids": lambda: VocabParallelEmbedding3D(16, 8, grid=grid)(other_ids),
+        "split": lambda: split_activation(torch.randn(b, 3, 8), "z", grid),
+        "gather": lambda: gather_activation(torch.randn(b // 4, 3, 8), "z", grid),
+        "linear": lambda: Linear3D(8, 8, grid=grid)(torch.randn(b // 4, 3, 8)),
+        "loss": lambda: CrossEntropyLoss3D(grid=grid)(torch.randn(2, 3, 8), ids[:4] if rank else ids),
+        "gpt": lambda: GPT3D(TINY, grid=grid)(ids),
+    }
+    out = {}
+    for name, case in cases.items():
+        start = time.monotonic()
+        out[name] = (_error(case), time.monotonic() - start)
+    return out
+
+
+def test_cube_ranks_given_different_batches_all_raise():
+    for rank, r in enumerate(harness.run(4, different_batches_job, timeout=FAST)):
+        for name, (msg, seconds) in r.items():
+            assert "the ranks disagree on" in msg and "every rank of a cube must be given the same batch" in msg, (rank, name, msg)
+            assert seconds < 10, (name, seconds)
+        assert "ids shape = (8, 3) on rank 0, (4, 3) on ranks 1-3" in r["embedding"][0], r["embedding"]
+        assert "ids checksum = " in r["embedding_ids"][0] and "shape" not in r["embedding_ids"][0].split("disagree on")[1], r
+        assert "split_activation input: the ranks disagree on full shape = (8, 3, 8) on rank 0" in r["split"][0]
+        assert "Linear3D input: the ranks disagree on input shape = (2, 3, 8) on rank 0, (1, 3, 8) on ranks 1-3" in r["linear"][0]
+        assert "targets shape = (8, 3) on rank 0" in r["loss"][0] and "GPT3D input" in r["gpt"][0]
+
+
+# ----- types are checked, not coerced -----
+
+
+@pytest.mark.parametrize("bad, expected", [
+    ("221", "got '221' (a str: strings are not parsed, pass a tuple)"),
+    ("2x2x1", "got '2x2x1' (a str: strings are not parsed"),
+    ((2.7, 1, 1), "px = 2.7 is a float"),
+    ((2.0, 1, 1), "px = 2.0 is a float"),
+    ((2, True, 1), "py = True is a bool"),
+    ((2, 2), "grid shape must be (px, py, pz), got (2, 2): 2 entries"),
+    ((2, 0, 2), "every grid axis must be >= 1, got (px, py, pz) = (2, 0, 2)"),
+])
+def test_grid_shapes_are_checked_not_coerced(bad, expected):
+    assert expected in _error(lambda: arguments.grid_shape(bad))
+    assert expected in _error(lambda: grid_rules.check_grid_arg(bad))  # the strategy accepts exactly what init_grid does
+
+
+@pytest.mark.parametrize("bad, expected", [
+    (datetime.timedelta(0), "timeout must be positive, got datetime.timedelta(0): every collective would fail at once"),
+    (datetime.timedelta(seconds=-5), "timeout must be positive"),
+    (float("inf"), "timeout must be a positive, finite number of seconds, got inf"),
+    (float("nan"), "got nan"),
+    (0, "got 0"),
+    (True, "timeout must be a timedelta or a number of seconds, got True (a bool)"),
+    ("60", "got '60' (a str)"),
+])
+def test_timeouts_must_be_positive_and_finite(bad, expected):
+    msg = _error(lambda: arguments.timeout(bad))
+    assert expected in msg and "timedelta(minutes=10)" in msg, msg
+
+
+def test_flags_and_counts_are_checked():
+    assert "async_tp must be True or False, got 'no' (a str)" in _error(lambda: arguments.flag("no", "async_tp"))
+    assert "got 1 (a int)" in _error(lambda: arguments.flag(1, "async_tp"))
+    assert "data_parallel_size must be a positive int, got 2.0 (a float)" in _error(lambda: arguments.positive_int(2.0, "data_parallel_size"))
+    assert "got True (a bool)" in _error(lambda: grid_rules.check_dp_arg(True))
+    assert arguments.grid_shape(torch.Size([2, 1, 2])) == (2, 1, 2) and arguments.timeout(1.5) == datetime.timedelta(seconds=1.5)
+
+
+def bad_types_job():
+    return {name: _error(lambda: init_grid(*args, **kwargs)) for name, args, kwargs in [
+        ("string", ("221",), {}), ("float", ((2.7, 1, 1),), {}), ("bool", ((2, True, 1),), {}),
+        ("async_tp", ((2, 1, 1),), {"async_tp": "no"}), ("timeout", ((2, 1, 1),), {"timeout": datetime.timedelta(0)}),
+        ("dp", ((2, 1, 1), 2.0), {}),
+    ]}
+
+
+def test_init_grid_refuses_wrong_types_on_every_rank():
+    for m in harness.run(4, bad_types_job, timeout=FAST):
+        assert "strings are not parsed" in m["string"] and "px = 2.7 is a float" in m["float"] and "py = True is a bool" in m["bool"]
+        assert "async_tp must be True or False, got 'no'" in m["async_tp"]
+        assert "timeout must be positive, got datetime.timedelta(0)" in m["timeout"]
+        assert "data_parallel_size must be a positive int, got 2.0" in m["dp"]
