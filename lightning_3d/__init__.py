@@ -15,6 +15,8 @@ from .layers import (
 )
 from .layout import Layout, gather_activation, split_activation
 from .ops import WeightPrefetch, matmul_ab, matmul_abt, matmul_atb, vocab_parallel_cross_entropy
+from .options import RuntimeOptions
+from .parallel import Plan, dense_state_dict, load_dense_state_dict, parallelize
 from .sharding import ShardSpec, get_spec
 
 __all__ = [
@@ -25,17 +27,22 @@ __all__ = [
     "Layout",
     "Linear3D",
     "Module3D",
+    "Plan",
     "RMSNorm3D",
+    "RuntimeOptions",
     "ShardSpec",
     "VocabParallelEmbedding3D",
     "WeightPrefetch",
+    "dense_state_dict",
     "gather_activation",
     "get_grid",
     "get_spec",
     "init_grid",
+    "load_dense_state_dict",
     "matmul_ab",
     "matmul_abt",
     "matmul_atb",
+    "parallelize",
     "set_grid",
     "split_activation",
     "vocab_parallel_cross_entropy",
