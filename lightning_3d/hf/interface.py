@@ -144,7 +144,7 @@ def causal_lm_loss_3d(logits: torch.Tensor, labels: torch.Tensor, vocab_size: in
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    loss = vocab_parallel_cross_entropy(logits, shift_labels.to(logits.device), ignore_index, grid)
+    loss = vocab_parallel_cross_entropy(logits, shift_labels.to(logits.device), ignore_index, grid, vocab_size)
     if num_items_in_batch is not None:
         loss = loss * (shift_labels != ignore_index).sum() / num_items_in_batch
     return loss
