@@ -7,6 +7,11 @@ shards come from DeepSpeed's own ``zero_to_fp32`` reader (fp32 master weights) r
 files alone, or from the module state without ZeRO; the layout the engine saved in the checkpoint
 (:mod:`deepspeed_3d.layout`) then places every shard in the global tensor.
 
+DeepSpeed unpickles its files with ``weights_only=False``. So before anything reads a tag, every
+``*.pt`` file of it is read once with weights-only unpickling (:func:`check_files`), allowing only
+the few DeepSpeed types its files hold (:func:`deepspeed_globals`): a file naming anything else is
+refused, naming the file, and nothing in it runs. DeepSpeed's own reader then gets the same bytes.
+
 Command line: ``python -m deepspeed_3d.checkpoint to-dense CKPT_DIR OUT.pt [--tag TAG] [--prefix model.]``.
 """
 
@@ -15,11 +20,13 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from lightning_3d.checkpoint import global_to_dense, save_dense
+from lightning_3d.checkpoint import CheckpointError, global_to_dense, save_dense
+from lightning_3d.checkpoint.untrusted import load_weights_only
 from lightning_3d.grid import Grid
 from lightning_3d.sharding import assemble_tensor
 
@@ -40,12 +47,39 @@ def tag_dir(checkpoint_dir: str | Path, tag: str | None = None) -> Path:
     return path
 
 
+def deepspeed_globals() -> list:
+    """The DeepSpeed types its checkpoint files hold (loss scalers, the ZeRO stage, fragment addresses)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_file(file: Path) -> Any:
+    """One DeepSpeed checkpoint file, unpickled weights-only (:class:`CheckpointError` naming it otherwise)."""
+    with torch.serialization.safe_globals(deepspeed_globals()):
+        return load_weights_only(file)
+
+
+def check_files(path: Path) -> None:
+    """Read every ``*.pt`` file of tag directory ``path`` weights-only: refuse any that could run code."""
+    for file in sorted(path.glob("*.pt")):
+        load_file(file)
+
+
 def read_layout(path: Path) -> dict | None:
-    """The grid layout saved in checkpoint directory ``path`` (a tag's), or None when it has none."""
+    """The grid layout saved in checkpoint directory ``path`` (a tag's), or None when it has none.
+
+    Every file of the tag is checked first (:func:`check_files`), so a DeepSpeed load that follows
+    reads only files that name nothing outside the allowlist.
+    """
     files = sorted(path.glob("*mp_rank_00_model_states.pt"))
     if not files:
-        raise ValueError(f"{path} holds no DeepSpeed model-states file (*mp_rank_00_model_states.pt)")
-    return torch.load(files[0], map_location="cpu", mmap=True, weights_only=False).get(LAYOUT_KEY)
+        raise CheckpointError(f"{path} holds no DeepSpeed model-states file (*mp_rank_00_model_states.pt)")
+    check_files(path)
+    state = load_file(files[0])
+    return state.get(LAYOUT_KEY) if isinstance(state, dict) else None
 
 
 def rank_state_dict(path: Path, mp_rank: int) -> dict[str, torch.Tensor]:
@@ -53,7 +87,7 @@ def rank_state_dict(path: Path, mp_rank: int) -> dict[str, torch.Tensor]:
     precision (ZeRO's fp32 master weights when present)."""
     files = sorted(path.glob(f"*mp_rank_{mp_rank:02d}_*.pt"))
     if not any(f.name.endswith("_optim_states.pt") for f in files):
-        return torch.load(path / f"mp_rank_{mp_rank:02d}_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        return load_file(path / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"]
     with tempfile.TemporaryDirectory() as tmp:  # DeepSpeed's reader globs a directory: show it this rank's files only
         view = Path(tmp) / path.name
         view.mkdir()
@@ -69,6 +103,8 @@ def _offline_grid(layout: dict) -> Grid:
 
 def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str = "") -> dict[str, torch.Tensor]:
     """The dense state dict of a DeepSpeed 3-D checkpoint, in one process (no process group needed).
+
+    Every file is read weights-only first (:func:`read_layout`); DeepSpeed's ZeRO reader follows.
 
     Args:
         checkpoint_dir: the directory given to ``engine.save_checkpoint``.

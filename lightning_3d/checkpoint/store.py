@@ -1,0 +1,217 @@
+"""Writing a sharded checkpoint atomically, and reading it back on any grid after checking it."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from ..grid import Grid
+from ..sharding import get_spec
+from . import manifest
+from .files import DCP_METADATA, FORMAT, LAYOUT_FILE, META_FILE, MODEL_KEY, RNG_DIR, CheckpointError, optimizer_key, rng_file
+from .publish import publish, remove, staging_path
+from .rng import rng_state
+from .saved_model import check_fits, dense_root, dense_shapes
+from .untrusted import SafePlanner, SafeReader, load_weights_only, read_dcp_metadata
+from .views import global_shapes, model_state, sharded_view
+
+
+def _all_ranks_agree(failure: str | None, what: str) -> None:
+    """Share each rank's failure; raise the same :class:`CheckpointError` on every rank if any failed."""
+    failures: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    reported = [f"rank {r}: {f}" for r, f in enumerate(failures) if f]
+    if reported:
+        raise CheckpointError(f"{what}: " + "; ".join(reported))
+
+
+def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None) -> None:
+    """Write this rank's RNG file and, on rank 0, ``layout.json`` and ``meta.pt``."""
+    rank = dist.get_rank()
+    manifest.write_durably(staging / rng_file(rank), json.dumps(rng_state()).encode())
+    if rank:
+        return
+    layout = {"format": FORMAT, "grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size,
+              "world_size": dist.get_world_size(), "dense_shapes": dense_shapes(module), "dense_root": dense_root(module)}
+    manifest.write_durably(staging / LAYOUT_FILE, json.dumps(layout, indent=1, default=str).encode())
+    if meta is not None:
+        buffer = io.BytesIO()
+        torch.save(meta, buffer)
+        manifest.write_durably(staging / META_FILE, buffer.getvalue())
+
+
+def save(path: str | Path, tensors: dict, grid: Grid, module: nn.Module, meta: dict | None = None) -> None:
+    """Write a sharded checkpoint at ``path``, visible only once complete. Collective over the world.
+
+    Args:
+        tensors: ``{"state_dict": model_state(...), "optimizer_0": {"state": ...}, ...}`` (DCP).
+        module: the saved module (its dense shapes and dense root go into ``layout.json``).
+        meta: anything else to keep (``meta.pt``, read back with weights-only unpickling:
+            tensors, plain containers, numbers, strings).
+
+    Every rank writes into a hidden staging directory; after all ranks' files are on disk and
+    hashed (``world_size`` ways) rank 0 writes the manifest and renames the directory to ``path``
+    in one step, replacing an existing checkpoint there. A failure on any rank raises on every rank
+    and leaves ``path`` as it was.
+    """
+    path = Path(path)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    staging = staging_path(path)
+    failure = None
+    if rank == 0:
+        try:
+            remove(staging)
+            (staging / RNG_DIR).mkdir(parents=True)
+        except OSError as e:
+            failure = f"cannot create {staging}: {e}"
+    _all_ranks_agree(failure, f"cannot save a checkpoint at {path}")
+    dcp.save(tensors, checkpoint_id=staging)
+    try:
+        _local_files(staging, grid, module, meta)
+    except OSError as e:
+        failure = f"cannot write its files into {staging}: {e}"
+    _all_ranks_agree(failure, f"no checkpoint was written at {path}")
+    data_files = sorted({info.relative_path for info in read_dcp_metadata(staging).storage_data.values()})
+    names = sorted([DCP_METADATA] + data_files + [rng_file(r) for r in range(world)] + [LAYOUT_FILE]
+                   + ([META_FILE] if meta is not None else []))
+    entries: list[dict | None] = [None] * world
+    dist.all_gather_object(entries, {n: manifest.file_entry(staging, n) for n in names[rank::world]})
+    if rank == 0:
+        try:
+            manifest.write_manifest(staging, {n: e for part in entries for n, e in part.items()})
+            publish(staging, path)
+        except OSError as e:
+            failure = f"cannot publish {staging} as {path}: {e}"
+    _all_ranks_agree(failure, f"no checkpoint was written at {path}")
+
+
+def read_layout(path: str | Path) -> dict:
+    """The ``layout.json`` of a complete checkpoint; :class:`CheckpointError` when ``path`` is none."""
+    path = Path(path)
+    manifest.verify(path, [LAYOUT_FILE])
+    return json.loads((path / LAYOUT_FILE).read_text())
+
+
+def load_meta(path: str | Path, trusted: bool = False) -> dict:
+    """The ``meta`` given to :func:`save`, checked against the manifest and read without running code.
+
+    ``trusted=True`` allows any class in it (``torch.load(weights_only=False)``): only for a
+    checkpoint the caller vouches for.
+    """
+    path = Path(path)
+    manifest.verify(path, [META_FILE])
+    return load_weights_only(path / META_FILE, trusted=trusted)
+
+
+def load_rng_state(path: str | Path, grid: Grid) -> dict:
+    """This rank's saved RNG state when the checkpoint was written on the same grid, else rank 0's."""
+    layout = read_layout(path)
+    same = layout["grid"] == list(grid.shape) and layout["data_parallel_size"] == grid.data_parallel_size
+    name = rng_file(dist.get_rank() if same else 0)
+    manifest.verify(path, [name])
+    try:
+        return json.loads((Path(path) / name).read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{Path(path) / name} is not an RNG state file: {e}") from None
+
+
+def _data_files_listed(path: Path, metadata) -> None:
+    listed = manifest.read_manifest(path)["files"]
+    unlisted = sorted({i.relative_path for i in metadata.storage_data.values()} - listed.keys())
+    if unlisted:
+        raise CheckpointError(f"{path}/.metadata refers to files the manifest does not list: {unlisted}")
+
+
+def verified_metadata(path: str | Path, collective: bool):
+    """Verify every file of checkpoint ``path`` against its manifest; its DCP metadata."""
+    path = Path(path)
+    manifest.verify(path, collective=collective)
+    metadata = read_dcp_metadata(path)
+    _data_files_listed(path, metadata)
+    return metadata
+
+
+def saved_shapes(metadata, key: str) -> dict[str, list[int]]:
+    """Global shapes of the tensors saved under top-level ``key``, by their name inside it."""
+    head = f"{key}."
+    return {fqn[len(head):]: list(md.size) for fqn, md in metadata.state_dict_metadata.items()
+            if fqn.startswith(head) and isinstance(md, TensorStorageMetadata)}
+
+
+def load_model_(module: nn.Module, grid: Grid, path: str | Path, strict: bool = True) -> None:
+    """Load the module's state (any grid's checkpoint) in place. Collective over the world.
+
+    First every file is checked against the manifest (hashed ``world_size`` ways) and the saved
+    model's true shapes against the module's; :class:`CheckpointError` names what differs.
+    ``strict=False`` loads the tensors both have (shapes must still agree).
+    """
+    path = Path(path)
+    metadata = verified_metadata(path, collective=True)
+    layout = json.loads((path / LAYOUT_FILE).read_text())
+    check_fits(path, saved_shapes(metadata, MODEL_KEY), layout.get("dense_shapes", {}),
+               global_shapes(module), dense_shapes(module), strict)
+    state = {k: v for k, v in model_state(module, grid).items() if strict or f"{MODEL_KEY}.{k}" in metadata.state_dict_metadata}
+    dcp.load({MODEL_KEY: state}, storage_reader=SafeReader(path), planner=SafePlanner(allow_partial_load=not strict))
+
+
+def _placeholder(md, param: torch.Tensor, grid: Grid):
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    spec = get_spec(param)
+    dtype = md.properties.dtype
+    if spec is not None and tuple(md.size) == spec.global_shape:
+        return sharded_view(torch.empty(spec.local_shape(grid), dtype=dtype, device=param.device), spec, grid)
+    return torch.empty(md.size, dtype=dtype, device=param.device if len(md.size) else "cpu")
+
+
+def load_optimizer_(
+    optimizer: torch.optim.Optimizer,
+    index: int,
+    names: dict[int, str],
+    grid: Grid,
+    path: str | Path,
+    param_groups: list[dict],
+    holds_state: Callable[[torch.Tensor], bool] = lambda p: True,
+) -> None:
+    """Load optimizer ``index``'s state (any grid's checkpoint) into ``optimizer``. Collective over the world.
+
+    Call it after :func:`load_model_`, which verifies the checkpoint.
+
+    Args:
+        names: parameter names, as :func:`parameter_names` returns them.
+        param_groups: the saved ``param_groups`` of :func:`optimizer_state` (hyper-parameters are
+            restored by group position; the groups must hold the same parameter names).
+        holds_state: whether this rank keeps the state of a parameter (a ZeRO partition).
+    """
+    key = optimizer_key(index)
+    if len(param_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{key}: the checkpoint has {len(param_groups)} param groups, the optimizer {len(optimizer.param_groups)}")
+    by_name = {}
+    for saved, group in zip(param_groups, optimizer.param_groups):
+        own = [names[id(p)] for p in group["params"]]
+        if sorted(own) != sorted(saved["params"]):
+            raise CheckpointError(f"{key}: a param group holds {own} but the checkpoint's holds {saved['params']}")
+        by_name.update(zip(own, group["params"]))
+    prefix = f"{key}.state."
+    reader = SafeReader(str(path))
+    wanted: dict[str, dict] = {}
+    for fqn, md in reader.read_metadata().state_dict_metadata.items():
+        if not fqn.startswith(prefix):
+            continue
+        name, _, k = fqn[len(prefix):].rpartition(".")
+        if name in by_name and holds_state(by_name[name]):
+            wanted.setdefault(name, {})[k] = _placeholder(md, by_name[name], grid)
+    dcp.load({key: {"state": wanted}}, storage_reader=reader, planner=SafePlanner())
+    for name, values in wanted.items():
+        optimizer.state[by_name[name]] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
+    for saved, group in zip(param_groups, optimizer.param_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})

@@ -1,0 +1,319 @@
+"""Checkpoints a user can trust: nothing read runs code, damage is named, a checkpoint is complete or
+absent, another model's checkpoint is refused, and the dense export needs no hidden knowledge.
+
+One 4-rank gloo pool writes a small GPT3D (held as ``self.model``, as a LightningModule would) on
+2×2×1; copies of that checkpoint are then damaged or planted with a pickle whose ``__reduce__``
+would write a marker file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import harness
+import pytest
+import torch
+import torch.distributed
+from torch import nn
+
+from lightning_3d import checkpoint as ckpt
+from lightning_3d.checkpoint import CheckpointError
+from lightning_3d.checkpoint.manifest import file_entry
+from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
+
+GRID = (2, 2, 1)
+
+
+def config(vocab: int = 60, layers: int = 2) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab, block_size=8, n_layer=layers, n_head=2, n_embd=16)
+
+
+class Holder(nn.Module):
+    """A 3-D model as a LightningModule holds it: under one attribute, beside a plain buffer."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.model = GPT3D(cfg)
+        self.register_buffer("seen", torch.tensor([3.0]))
+
+
+class Payload:
+    """Unpickling it writes ``marker``: what a crafted checkpoint file would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+# ----- jobs on every rank -----
+
+
+def save_job(path: str, seed: int = 0) -> dict:
+    harness.grid(GRID)
+    torch.manual_seed(seed)
+    holder = Holder(config())
+    ckpt.save(path, {ckpt.MODEL_KEY: ckpt.model_state(holder, holder.model.grid)}, holder.model.grid, holder,
+              meta={"epoch": 3, "hyper_parameters": {"lr": 0.1}})
+    return holder.model.dense_state_dict()
+
+
+def failing_save_job(path: str, failing_rank: int) -> str:
+    """Rank ``failing_rank`` cannot write its RNG file (after its DCP shard): every rank must raise."""
+    from lightning_3d.checkpoint import store
+
+    def broken():
+        raise OSError(28, "No space left on device")
+
+    grid = harness.grid(GRID)
+    torch.manual_seed(1)
+    holder = Holder(config())
+    if torch.distributed.get_rank() == failing_rank:
+        store.rng_state, kept = broken, store.rng_state
+    try:
+        ckpt.save(path, {ckpt.MODEL_KEY: ckpt.model_state(holder, grid)}, grid, holder)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        if torch.distributed.get_rank() == failing_rank:
+            store.rng_state = kept
+    return "saved"
+
+
+def load_job(path: str, vocab: int = 60, layers: int = 2, strict: bool = True) -> str:
+    grid = harness.grid(GRID)
+    holder = Holder(config(vocab, layers))
+    try:
+        ckpt.load_model_(holder, grid, path, strict=strict)
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def rng_job(path: str) -> str:
+    try:
+        ckpt.load_rng_state(path, harness.grid(GRID))
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def killed_rank_world(rank: int, port: int, path: str, old: str) -> None:
+    """A 2-process world: rank 1 is SIGKILLed after its DCP shard, before its RNG file."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightning_3d import init_grid
+    from lightning_3d.checkpoint import store
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    grid = init_grid((2, 1, 1))
+    holder = Holder(config())
+    state = lambda: {ckpt.MODEL_KEY: ckpt.model_state(holder, grid)}  # noqa: E731
+    ckpt.save(old, state(), grid, holder)
+    if rank == 1:
+        store.rng_state = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.save(path, state(), grid, holder)
+
+
+# ----- helpers -----
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict]:
+    """A complete checkpoint of ``Holder(config())`` and the model's dense state dict."""
+    path = tmp_path_factory.mktemp("trust") / "epoch=0.ckpt"
+    dense = harness.run(4, save_job, str(path))
+    return path, dense[0]
+
+
+def copy_of(saved: Path, tmp_path: Path, name: str = "copy.ckpt") -> Path:
+    out = tmp_path / name
+    shutil.copytree(saved, out, symlinks=True)
+    return out
+
+
+def plant(path: Path, pattern: str, marker: Path, with_torch: bool = True) -> str:
+    """Replace the file matching ``pattern`` by a payload; update the manifest as an attacker would."""
+    (file,) = sorted(path.glob(pattern))
+    if with_torch:
+        torch.save(Payload(marker), file)
+    else:
+        file.write_bytes(pickle.dumps(Payload(marker)))
+    name = file.relative_to(path).as_posix()
+    manifest = path / "manifest.json"
+    if manifest.exists():
+        data = json.loads(manifest.read_text())
+        data["files"][name] = file_entry(path, name)
+        manifest.write_text(json.dumps(data))
+    return name
+
+
+def assert_equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: keys {sorted(a)} != {sorted(b)}"
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"{what}: tensors differ: {bad}"
+
+
+# ----- nothing read runs code -----
+
+
+def test_payload_in_meta_runs_nothing(saved, tmp_path):
+    path, marker = copy_of(saved[0], tmp_path), tmp_path / "ran"
+    plant(path, "meta.*", marker)
+    with pytest.raises(Exception, match="meta") as e:
+        ckpt.load_meta(path)
+    assert not marker.exists(), "unpickling meta ran the planted code"
+    assert "exec" in str(e.value), e.value
+
+
+def test_payload_in_dcp_metadata_runs_nothing(saved, tmp_path):
+    path, marker = copy_of(saved[0], tmp_path), tmp_path / "ran"
+    plant(path, ".metadata", marker, with_torch=False)
+    with pytest.raises(Exception, match=r"\.metadata") as e:
+        ckpt.to_dense(path)
+    assert not marker.exists(), "unpickling .metadata ran the planted code"
+    for r in harness.run(4, load_job, str(path)):
+        assert ".metadata" in r and "builtins.exec" in r, r
+    assert not marker.exists(), "loading on the grid ran the planted code"
+    assert "builtins.exec" in str(e.value), e.value
+
+
+def test_payload_in_rng_file_runs_nothing(saved, tmp_path):
+    path, marker = copy_of(saved[0], tmp_path), tmp_path / "ran"
+    name = plant(path, "rng/1.*", marker)
+    results = harness.run(4, rng_job, str(path))
+    assert not marker.exists(), "reading the RNG state ran the planted code"
+    assert name in results[1], results[1]
+    assert results[0] == results[2] == results[3] == "loaded"
+
+
+def test_payload_in_deepspeed_model_states_runs_nothing(tmp_path):
+    deepspeed_3d = pytest.importorskip("deepspeed_3d")
+    marker = tmp_path / "ran"
+    (tmp_path / "ds" / "tag").mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("tag")
+    torch.save(Payload(marker), tmp_path / "ds" / "tag" / "mp_rank_00_model_states.pt")
+    with pytest.raises(Exception, match="mp_rank_00_model_states.pt"):
+        deepspeed_3d.to_dense(tmp_path / "ds")
+    assert not marker.exists(), "reading a DeepSpeed checkpoint ran the planted code"
+
+
+# ----- complete or not a checkpoint -----
+
+
+def _flip_values(file: Path) -> None:
+    """Change four float32 values in the middle of a DCP shard (its pickled headers stay intact)."""
+    data = bytearray(file.read_bytes())
+    middle = len(data) // 2 & ~3
+    for i in range(4):
+        data[middle + 4 * i + 2] ^= 0x40
+    file.write_bytes(bytes(data))
+
+
+def test_damaged_files_are_named(saved, tmp_path):
+    shard = "__1_0.distcp"
+    altered = copy_of(saved[0], tmp_path, "altered.ckpt")
+    _flip_values(altered / shard)
+    truncated = copy_of(saved[0], tmp_path, "truncated.ckpt")
+    (truncated / shard).write_bytes((truncated / shard).read_bytes()[:-100])
+    missing = copy_of(saved[0], tmp_path, "missing.ckpt")
+    (missing / "rng" / "2.json").unlink()
+    for path, words in [(altered, [shard, "SHA-256"]), (truncated, [shard, "bytes"]), (missing, ["rng/2.json", "missing"])]:
+        with pytest.raises(CheckpointError) as e:
+            ckpt.to_dense(path)
+        assert all(w in str(e.value) for w in words), (path.name, str(e.value))
+    for r in harness.run(4, load_job, str(altered)):
+        assert shard in r and "SHA-256" in r, r
+
+
+def test_a_failed_rank_leaves_the_previous_checkpoint(tmp_path):
+    last = tmp_path / "last.ckpt"
+    first = harness.run(4, save_job, str(last), 0)[0]
+    errors = harness.run(4, failing_save_job, str(last), 2)
+    assert all("rank 2" in e and "No space left" in e for e in errors), errors
+    assert ckpt.latest_complete(tmp_path) == last
+    assert_equal(ckpt.to_dense(last), first, "last.ckpt after a failed overwrite")
+    second = harness.run(4, save_job, str(last), 5)[0]
+    assert_equal(ckpt.to_dense(last), second, "last.ckpt after an overwrite")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"], "a staging or old directory was left behind"
+    assert ckpt.latest_complete(tmp_path) == last
+
+
+def test_a_rank_killed_mid_save_leaves_no_checkpoint(tmp_path):
+    import torch.multiprocessing as mp
+
+    path, old = tmp_path / "new.ckpt", tmp_path / "old.ckpt"
+    ctx = mp.get_context("spawn")
+    port = harness._free_port()
+    procs = [ctx.Process(target=killed_rank_world, args=(r, port, str(path), str(old))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+    assert procs[1].exitcode == -signal.SIGKILL, [p.exitcode for p in procs]
+    assert procs[0].exitcode not in (0, None), "the surviving rank finished a save its peer never completed"
+    assert not path.exists(), "a checkpoint became visible though a rank died before writing its RNG file"
+    assert ckpt.latest_complete(tmp_path) == old
+    with pytest.raises(CheckpointError, match="not a complete"):
+        ckpt.to_dense(path)
+
+
+# ----- another model is refused -----
+
+
+def test_another_model_is_refused_naming_both_shapes(saved):
+    path = str(saved[0])
+    for r in harness.run(4, load_job, path, 62, 2):
+        assert "model.transformer.wte.weight [60, 16]; this model has [62, 16]" in r, r
+    for r in harness.run(4, load_job, path, 60, 1):
+        assert "model.transformer.h.1.ln_1.weight" in r and "this model lacks" in r, r
+    assert harness.run(4, load_job, path, 60, 1, False) == ["loaded"] * 4  # not strict: the tensors both have
+
+
+# ----- dense export -----
+
+
+def test_to_dense_needs_no_prefix_and_carries_the_config(saved, tmp_path):
+    path, dense = saved
+    for out in [tmp_path / "dense.safetensors", tmp_path / "dense.pt"]:
+        ckpt.main(["to-dense", str(path), str(out)])
+        model = ckpt.dense_gpt(out)
+        assert model.config == config()
+        assert_equal(model.state_dict(), dense, f"DenseGPT built from {out.name} alone")
+    assert sorted(ckpt.to_dense(path, prefix="")) == sorted(["seen"] + [f"model.{k}" for k in dense])
+
+
+# ----- under Lightning -----
+
+
+def test_lightning_refuses_another_model_and_exports_without_prefix(tmp_path):
+    """fit/validate(ckpt_path=) of a vocab-60, 2-layer checkpoint into vocab 62 or 1 layer; "last"; to-dense."""
+    script = Path(__file__).parent / "lightning_scripts" / "other_model.py"
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    record = json.loads((tmp_path / "other_model.json").read_text())
+    for fn in ("validate", "fit"):
+        vocab = record["errors"][f"{fn} vocab 62 layers 2"]
+        assert vocab and "checkpoint holds model.transformer.wte.weight [60, 16]; this model has [62, 16]" in vocab, vocab
+        layers = record["errors"][f"{fn} vocab 60 layers 1"]
+        assert layers and "model.transformer.h.1." in layers and "which this model lacks" in layers, layers
+    assert record["steps_after_resume"] == 2, "fit(ckpt_path='last') did not resume after the first epoch's 2 steps"
+    out = tmp_path / "dense.safetensors"
+    ckpt.main(["to-dense", str(tmp_path / "first.ckpt"), str(out)])
+    model = ckpt.dense_gpt(out)
+    assert model.config == GPTConfig(vocab_size=60, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    assert_equal(model.state_dict(), torch.load(tmp_path / "dense_state.pt"), "DenseGPT from a Lightning checkpoint's export")
