@@ -40,7 +40,6 @@ from .preemption import StopOnPreemption
 from .replicas import GridReplicas
 from .zero import ShardedOptimizerState
 
-META_FILE = "meta.pt"
 PARAM_GROUPS_KEY = "tensor3d_param_groups"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 FITTING = "fit"  # TrainerFn.FITTING, a str enum in both namespaces
@@ -233,23 +232,17 @@ class Tensor3DMixin(StopOnPreemption, GridReplicas):
         if storage_options is not None:
             raise TypeError("Tensor3DStrategy.save_checkpoint does not take storage_options: it writes with torch.distributed.checkpoint")
         path = Path(self.broadcast(str(filepath)))
-        if self.is_global_zero and path.is_file():
-            path.unlink()
-        self.barrier()
         tensors = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
         groups = []
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[ckpt.optimizer_key(i)] = {"state": state["state"]}
             groups.append(state["param_groups"])
-        ckpt.save(path, tensors, self.grid, self.lightning_module)
-        if self.is_global_zero:
-            torch.save({**checkpoint, PARAM_GROUPS_KEY: groups}, path / META_FILE)
+        ckpt.save(path, tensors, self.grid, self.lightning_module, meta={**checkpoint, PARAM_GROUPS_KEY: groups})
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded checkpoint written on any grid and dp size; loop state comes back to Lightning."""
         path = Path(self.broadcast(str(checkpoint_path)))
-        ckpt.read_layout(path)
-        meta = torch.load(path / META_FILE, weights_only=False)
+        meta = ckpt.load_meta(path, trusted=weights_only is False)
         module = self.lightning_module
         ckpt.load_model_(module, self.grid, path, strict=module.strict_loading)
         if module.trainer.state.fn == FITTING:
