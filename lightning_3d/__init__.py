@@ -17,6 +17,7 @@ from .layout import Layout, gather_activation, split_activation
 from .ops import WeightPrefetch, matmul_ab, matmul_abt, matmul_atb, vocab_parallel_cross_entropy
 from .options import RuntimeOptions
 from .parallel import Plan, dense_state_dict, load_dense_state_dict, parallelize
+from .hf import save_pretrained  # also registers the Hugging Face plans by class name (no transformers import)
 from .sharding import ShardSpec, get_spec
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "matmul_abt",
     "matmul_atb",
     "parallelize",
+    "save_pretrained",
     "set_grid",
     "split_activation",
     "vocab_parallel_cross_entropy",
