@@ -11,7 +11,7 @@ step) for:
 - ``dense``: ``lightning_3d.models.DenseBlock`` stack on one GPU (every rank runs it alone);
 - ``tp1d``: the anchor's block under DTensor Colwise/Rowwise (``peer.py``), TP = N, and TP = N/2
   with dp 2 when N >= 4;
-- ``3d``: ``lightning_3d.models.Block3D`` stack on every ``px×py×pz`` grid whose size divides N
+- ``3d``: ``DenseBlock`` stack parallelized by the GPT plan's block rules (``lightning_3d.models.gpt3d.block_rules``) on every ``px×py×pz`` grid whose size divides N
   (dp fills the rest; gradients all-reduced over dp inside the step), with the next weight's
   all-gather prefetched (:class:`~lightning_3d.ops.matmul.WeightPrefetch`); and, on the A/B grids,
   the variants ``before`` (the matmul and norm code of commit 4e34463, loaded from ``--before``),
@@ -54,13 +54,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import measure  # noqa: E402
 import peer  # noqa: E402
 import lightning_3d  # noqa: E402
-from lightning_3d.layers import Linear3D, load_dense_state_dict  # noqa: E402
 from lightning_3d.layout import Layout  # noqa: E402
-from lightning_3d.models.blocks3d import Block3D  # noqa: E402
 from lightning_3d.models.config import GPTConfig  # noqa: E402
 from lightning_3d.models.dense import DenseBlock  # noqa: E402
+from lightning_3d.models.gpt3d import block_rules  # noqa: E402
 from lightning_3d.models.init import init_dense_tensor_  # noqa: E402
-from lightning_3d.ops.matmul import WeightPrefetch  # noqa: E402
+from lightning_3d.options import RuntimeOptions  # noqa: E402
+from lightning_3d.parallel import Linear, Plan, parallelize  # noqa: E402
 from lightning_3d.sharding import get_spec, shard_tensor  # noqa: E402
 
 VARIANTS = ("before", "no-prefetch", "regather", "split-qkv", "normal-priority", "async-tp")
@@ -159,15 +159,15 @@ def dense_block_states(shape: Shape, device, dtype, randomize: bool) -> list[dic
 
 
 class SplitQKV(nn.Module):
-    """The unfused variant of ``Attention3D.c_attn``: q, k and v as three Linear3D (z → y)."""
+    """The unfused variant of ``DenseAttention.c_attn``: q, k and v as three linears (each z → y on
+    the grid), their outputs concatenated so that ``chunk(3, -1)`` splits them again."""
 
-    def __init__(self, h: int, grid, save_gathered: bool, device, dtype):
+    def __init__(self, h: int, bias: bool, device, dtype):
         super().__init__()
-        self.q, self.k, self.v = (Linear3D(h, h, input_layout="z", grid=grid, save_gathered=save_gathered, device=device, dtype=dtype)
-                                  for _ in range(3))
+        self.q, self.k, self.v = (nn.Linear(h, h, bias=bias, device=device, dtype=dtype) for _ in range(3))
 
-    def forward(self, x: torch.Tensor):
-        return self.q(x), self.k(x), self.v(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q(x), self.k(x), self.v(x)], -1)
 
 
 def _split_qkv_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -176,13 +176,6 @@ def _split_qkv_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for name, t in zip("qkv", sd[f"attn.c_attn.{part}"].chunk(3)):
             out[f"attn.c_attn.{name}.{part}"] = t
     return out
-
-
-def load_block(block: nn.Module, sd: dict[str, torch.Tensor], grid) -> None:
-    """Load a DenseBlock state dict into a 3-D block (fused weights reshaped to their specs' global shape)."""
-    own = block.state_dict(keep_vars=True)
-    full = {k: v.reshape(get_spec(own[k]).global_shape) if get_spec(own[k]) is not None else v for k, v in sd.items()}
-    load_dense_state_dict(block, full, grid)
 
 
 def _load_module(name: str, path: str):
@@ -199,13 +192,13 @@ def code_before(before_dir: str):
     after the product, the distributed normalize on every grid)."""
     import lightning_3d.layers.linear as linear
     import lightning_3d.layers.norm as norm
-    import lightning_3d.models.fused_linear as fused
+    import lightning_3d.layers.fused_linear as fused
 
     old_matmul = _load_module("lightning_3d.ops._matmul_before", os.path.join(before_dir, "matmul.py"))
     old_norm = _load_module("lightning_3d.layers._norm_before", os.path.join(before_dir, "norm.py"))
 
-    def matmul_abt(a, b, directions, grid, save_gathered, bias=None):
-        y = old_matmul.matmul_abt(a, b, directions, grid, save_gathered)
+    def matmul_abt(a, b, directions, grid, options, bias=None):
+        y = old_matmul.matmul_abt(a, b, directions, grid, options.save_gathered)
         return y if bias is None else y + bias.to(y.dtype)
 
     saved = linear.matmul_abt, fused.matmul_abt, norm._Norm3D.forward
@@ -240,10 +233,10 @@ class Run:
         self._grids: dict = {}
         self._meshes: dict = {}
 
-    def grid(self, shape, dp, high_priority: bool = True, async_tp: bool = False):
-        key = (shape, dp, high_priority, async_tp)
+    def grid(self, shape, dp, high_priority: bool = True):
+        key = (shape, dp, high_priority)
         if key not in self._grids:
-            self._grids[key] = lightning_3d.init_grid(shape, dp, async_tp=async_tp)
+            self._grids[key] = lightning_3d.init_grid(shape, dp)
         lightning_3d.set_grid(self._grids[key])
         return self._grids[key]
 
@@ -292,16 +285,19 @@ def build(run: Run, case: Case, shape: Shape, states, x_full: torch.Tensor, dtyp
         dp_group = mesh.get_group("dp") if case.dp > 1 else None
         return Built(model, x, scale, dp_group, lambda y: y, replica, case.grid[0])
     grid = case_grid(run, case)
-    save = case.variant != "regather"
-    blocks = [Block3D(shape.config(), grid, save, device=dev, dtype=dtype) for _ in states]
-    for block, sd in zip(blocks, states):
-        if case.variant == "split-qkv":
-            block.attn.c_attn = SplitQKV(shape.h, grid, save, dev, dtype)
-            sd = _split_qkv_state(sd)
-        load_block(block, sd, grid)
-    model = nn.Sequential(*blocks)
-    if case.variant not in ("before", "no-prefetch"):
-        WeightPrefetch().attach(model)
+    config = shape.config()
+    options = RuntimeOptions(async_tp=case.variant == "async-tp", save_gathered=case.variant != "regather",
+                             prefetch=case.variant not in ("before", "no-prefetch"))
+    model = nn.Sequential(*[DenseBlock(config, device="meta", dtype=dtype) for _ in states])
+    rules = block_rules(config, "*")
+    if case.variant == "split-qkv":
+        for block in model:
+            block.attn.c_attn = SplitQKV(shape.h, config.bias, "meta", dtype)
+        states = [_split_qkv_state(sd) for sd in states]
+        del rules["*.attn.c_attn"]
+        rules["*.attn.c_attn.[qkv]"] = Linear("z")
+    dense = {f"{i}.{key}": t for i, sd in enumerate(states) for key, t in sd.items()}
+    parallelize(model, Plan(rules, options=options, init=lambda key, t: t.copy_(dense[key])), grid=grid, device=dev)
     d = grid.coord("dp")
     replica = slice(d * rows, (d + 1) * rows)
     layout = Layout("z")
@@ -311,7 +307,7 @@ def build(run: Run, case: Case, shape: Shape, states, x_full: torch.Tensor, dtyp
 
 
 def case_grid(run: Run, case: Case):
-    return run.grid(case.grid, case.dp, case.variant != "normal-priority", case.variant == "async-tp")
+    return run.grid(case.grid, case.dp, case.variant != "normal-priority")
 
 
 def make_step(built: Built, timer: measure.Timer | None = None):

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..agreement import agree_on_first_call
 from ..grid import Grid
 from ..layout import gather_activation
 from ..options import RuntimeOptions
-from ..parallel import Dropout, Linear, LMHead, Loss, Norm, Plan, PositionEmbedding, VocabEmbedding, parallelize, register_plan
+from ..parallel import Dropout, Linear, LMHead, Loss, Norm, Plan, PositionEmbedding, Rule, VocabEmbedding, parallelize, register_plan
 from ..parallel import dense_state_dict, grid_of, load_dense_state_dict, options_of
 from .config import GPTConfig
 from .dense import DenseGPT
@@ -30,19 +31,28 @@ from .sampling import generate_tokens
 BLOCKS = "transformer.h.*"
 
 
+def block_rules(config: GPTConfig, blocks: str = BLOCKS) -> dict[str, Rule]:
+    """The rules of the :class:`~lightning_3d.models.dense.DenseBlock` s named by ``blocks``: z in,
+    z out; the packed q/k/v (and llama's gate/up) z→y, the projections back y→z."""
+    return {
+        f"{blocks}.ln_?": Norm("z"),
+        f"{blocks}.attn.c_attn": Linear("z", groups=3),
+        f"{blocks}.attn.c_proj": Linear("y"),
+        f"{blocks}.attn.resid_dropout": Dropout(),
+        f"{blocks}.mlp.c_fc": Linear("z", groups=2 if config.style == "llama" else 1),
+        f"{blocks}.mlp.c_proj": Linear("y"),
+        f"{blocks}.mlp.dropout": Dropout(),
+    }
+
+
 def gpt_plan(config: GPTConfig, options: RuntimeOptions | None = None) -> Plan:
-    """The plan of :class:`DenseGPT`: every block z in, z out; the packed q/k/v (and gate/up) z→y."""
+    """The plan of :class:`DenseGPT`: its blocks by :func:`block_rules`, the vocabulary padded to
+    ``config.vocab_multiple``, the blocks as checkpoint units, GPT-2's init by key for ``meta`` builds."""
     rules = {
         "transformer.wte": VocabEmbedding(pad_to_multiple=config.vocab_multiple),
         "transformer.wpe": PositionEmbedding(),
         "transformer.drop": Dropout(),
-        f"{BLOCKS}.ln_?": Norm("z"),
-        f"{BLOCKS}.attn.c_attn": Linear("z", groups=3),
-        f"{BLOCKS}.attn.c_proj": Linear("y"),
-        f"{BLOCKS}.attn.resid_dropout": Dropout(),
-        f"{BLOCKS}.mlp.c_fc": Linear("z", groups=2 if config.style == "llama" else 1),
-        f"{BLOCKS}.mlp.c_proj": Linear("y"),
-        f"{BLOCKS}.mlp.dropout": Dropout(),
+        **block_rules(config),
         "transformer.ln_f": Norm("z"),
         "lm_head": LMHead(pad_to_multiple=config.vocab_multiple),
         "loss": Loss(),
@@ -52,8 +62,9 @@ def gpt_plan(config: GPTConfig, options: RuntimeOptions | None = None) -> Plan:
 
     def check_inputs(model: nn.Module, grid: Grid, args: tuple, kwargs: dict) -> None:
         idx = args[0] if args else kwargs["idx"]
-        check_tokens(idx, config, grid)
         targets = args[1] if len(args) > 1 else kwargs.get("targets")
+        agree_on_first_call(model, grid.group("cube"), "GPT3D input", idx=idx, targets=targets)
+        check_tokens(idx, config, grid)
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"GPT3D: targets {list(targets.shape)} must have the shape of idx {list(idx.shape)}")
 
