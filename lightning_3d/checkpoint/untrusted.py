@@ -13,6 +13,7 @@ A name outside the allowlist raises :class:`~.files.CheckpointError` naming the 
 
 from __future__ import annotations
 
+import collections
 import io
 import pathlib
 import pickle
@@ -26,16 +27,13 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from .files import DCP_METADATA, CheckpointError
 
-_DCP_TYPES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-              "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **{(dcp_metadata.__name__, n): getattr(dcp_metadata, n) for n in _DCP_TYPES},
-    (dcp_filesystem.__name__, "_StorageInfo"): dcp_filesystem._StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
-    **{("pathlib", n): getattr(pathlib, n) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")},
-}
+_METADATA_OBJECTS = (
+    *(getattr(dcp_metadata, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    dcp_filesystem._StorageInfo, torch.Size, torch.serialization._get_layout, collections.OrderedDict,
+    pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
+)
+METADATA_GLOBALS: dict[tuple[str, str], Any] = {(o.__module__, o.__qualname__): o for o in _METADATA_OBJECTS}
 """``(module, name)`` → object: everything DCP's ``.metadata`` may name (torch dtypes, layouts and
 memory formats are added by :meth:`MetadataUnpickler.find_class`)."""
 
