@@ -55,7 +55,7 @@ def gpt_plan(config: GPTConfig, options: RuntimeOptions | None = None) -> Plan:
         **block_rules(config),
         "transformer.ln_f": Norm("z"),
         "lm_head": LMHead(pad_to_multiple=config.vocab_multiple),
-        "loss": Loss(),
+        "loss": Loss(vocab_size=config.vocab_size),
     }
     if config.style != "gpt2":
         del rules["transformer.wpe"]
