@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,13 +26,14 @@ from .untrusted import SafePlanner, SafeReader, load_weights_only, read_dcp_meta
 from .views import global_shapes, model_state, sharded_view
 
 
-def _all_ranks_agree(failure: str | None, what: str) -> None:
-    """Share each rank's failure; raise the same :class:`CheckpointError` on every rank if any failed."""
-    failures: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    reported = [f"rank {r}: {f}" for r, f in enumerate(failures) if f]
+def _gather(value, failure: str | None, what: str) -> list:
+    """Every rank's ``value``; the same :class:`CheckpointError` on every rank if any rank reports a failure."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (value, failure))
+    reported = [f"rank {r}: {f}" for r, (_, f) in enumerate(gathered) if f]
     if reported:
         raise CheckpointError(f"{what}: " + "; ".join(reported))
+    return [v for v, _ in gathered]
 
 
 def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None) -> None:
@@ -47,6 +49,10 @@ def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None
         buffer = io.BytesIO()
         torch.save(meta, buffer)
         manifest.write_durably(staging / META_FILE, buffer.getvalue())
+        try:
+            load_weights_only(staging / META_FILE)
+        except CheckpointError as e:
+            warnings.warn(f"this checkpoint's meta will load only when trusted: {e}", stacklevel=3)
 
 
 def save(path: str | Path, tensors: dict, grid: Grid, module: nn.Module, meta: dict | None = None) -> None:
@@ -73,25 +79,28 @@ def save(path: str | Path, tensors: dict, grid: Grid, module: nn.Module, meta: d
             (staging / RNG_DIR).mkdir(parents=True)
         except OSError as e:
             failure = f"cannot create {staging}: {e}"
-    _all_ranks_agree(failure, f"cannot save a checkpoint at {path}")
+    _gather(None, failure, f"cannot save a checkpoint at {path}")
     dcp.save(tensors, checkpoint_id=staging)
     try:
         _local_files(staging, grid, module, meta)
     except OSError as e:
         failure = f"cannot write its files into {staging}: {e}"
-    _all_ranks_agree(failure, f"no checkpoint was written at {path}")
+    _gather(None, failure, f"no checkpoint was written at {path}")
     data_files = sorted({info.relative_path for info in read_dcp_metadata(staging).storage_data.values()})
     names = sorted([DCP_METADATA] + data_files + [rng_file(r) for r in range(world)] + [LAYOUT_FILE]
                    + ([META_FILE] if meta is not None else []))
-    entries: list[dict | None] = [None] * world
-    dist.all_gather_object(entries, {n: manifest.file_entry(staging, n) for n in names[rank::world]})
+    try:
+        part = {n: manifest.file_entry(staging, n) for n in names[rank::world]}
+    except OSError as e:
+        part, failure = {}, f"cannot read back what was written: {e}"
+    entries = _gather(part, failure, f"no checkpoint was written at {path}")
     if rank == 0:
         try:
-            manifest.write_manifest(staging, {n: e for part in entries for n, e in part.items()})
+            manifest.write_manifest(staging, {n: e for p in entries for n, e in p.items()})
             publish(staging, path)
         except OSError as e:
             failure = f"cannot publish {staging} as {path}: {e}"
-    _all_ranks_agree(failure, f"no checkpoint was written at {path}")
+    _gather(None, failure, f"no checkpoint was written at {path}")
 
 
 def read_layout(path: str | Path) -> dict:
