@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -134,12 +135,16 @@ def node_name() -> str:
     return f"{socket.gethostname()}#{rank}" if rank else socket.gethostname()
 
 
-def axes_across_nodes(mesh_shape: tuple[int, int, int, int], nodes: list[str]) -> tuple[str, ...]:
-    """The mesh axes (of ``MESH_AXES``) some of whose groups hold ranks of more than one node;
-    ``nodes[r]`` names the node of global rank ``r``."""
-    where = torch.tensor([sorted(set(nodes)).index(n) for n in nodes]).reshape(mesh_shape)
-    return tuple(axis for d, axis in enumerate(MESH_AXES)
-                 if bool((where.amax(d) != where.amin(d)).any()))
+def axes_across_nodes(mesh_shape: tuple[int, int, int, int], nodes: list) -> tuple[str, ...]:
+    """The mesh axes (of ``MESH_AXES``) some of whose groups hold ranks of more than one node, for
+    ranks laid out as :func:`init_grid` lays them; ``nodes[r]`` names the node of global rank ``r``."""
+    out = []
+    for d, axis in enumerate(MESH_AXES):
+        size, stride = mesh_shape[d], math.prod(mesh_shape[d + 1:])
+        firsts = (r for r in range(len(nodes)) if (r // stride) % size == 0)  # coordinate 0 on this axis
+        if any(nodes[r + k * stride] != nodes[r] for r in firsts for k in range(1, size)):
+            out.append(axis)
+    return tuple(out)
 
 
 def _default_timeout() -> datetime.timedelta | None:

@@ -2,9 +2,9 @@
 tensor parallelism, from the model's shape and the machine's measured rates; picks the best grid.
 
 The model counts, per rank and per layer, the GEMM and attention FLOPs, the bytes of the
-memory-bound ops, and the bytes every collective moves (DESIGN §6), and prices them with the
-machine's measured matmul rate, memory bandwidth and per-group-size collective bandwidth and
-latency. It then charges only the communication the implementation cannot hide:
+memory-bound ops, and the bytes every collective moves, and prices them with the machine's
+measured matmul rate, memory bandwidth and per-group-size collective bandwidth and latency. It
+then charges only the communication the implementation cannot hide:
 
 - 3-D forward: the input all-gather and the output reduce-scatter of each product; the weight
   all-gather is prefetched during the previous product (:class:`~lightning_3d.ops.matmul.WeightPrefetch`)
@@ -18,8 +18,10 @@ latency. It then charges only the communication the implementation cannot hide:
   forward and two in backward, none hidden; LayerNorms and residuals run replicated on every rank.
 - Data parallelism: one all-reduce of the gradients after backward.
 
-Ranks are placed dp-major then x, y, z (z fastest), as :func:`~lightning_3d.grid.init_grid` does;
-a group whose ranks span several nodes runs at the inter-node bandwidth.
+Ranks are placed dp-major then x, y, z (z fastest), as :func:`~lightning_3d.grid.init_grid` does,
+and numbered node by node, as launchers number them: :func:`node_axes` derives from that order
+which axes' groups span nodes, and a collective over such a group is priced with the inter-node
+link (``Machine.inter``), any other with the NVLink of its group size (``Machine.intra``).
 
 ``best_grid(...)`` is what ``grid="auto"`` calls once the model's shape is known.
 """
@@ -29,6 +31,8 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
+
+from .grid import axes_across_nodes
 
 BYTES = 2  # bf16 activations, weights and gradients
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -105,9 +109,9 @@ class Machine:
 
 
 # H200 SXM ×4 measured by benchmarks/bench_gpt.py (docs/benchmarks.md, run 5: latency of bursts of
-# small collectives); 8 ranks: the bandwidth of the 1 GiB all-reduce seen on an 8×H100 host of this
-# workplace (KINDS.md) with an assumed 40 µs; inter-node: an assumed 400 Gb/s NIC per GPU (≈45 GB/s
-# bus bandwidth, 20 µs), not measured here.
+# small collectives); 8 ranks: the bus bandwidth of a 1 GiB all-reduce on an 8×H100 NVLink host
+# (360 GB/s) with an assumed 40 µs; inter-node: an assumed 400 Gb/s NIC per GPU (≈45 GB/s bus
+# bandwidth, 20 µs), not measured.
 DEFAULT_MACHINE = Machine(
     matmul_tflops=760.0,
     hbm_GBps=4100.0,
@@ -186,14 +190,11 @@ def grid_error(shape: ModelShape, grid: tuple[int, int, int], dp: int) -> str | 
     return None
 
 
-def _spans_nodes(machine: Machine, stride: int, size: int) -> bool:
-    """Whether a group of ``size`` ranks ``stride`` apart crosses a node boundary."""
-    return size > 1 and stride * size > machine.gpus_per_node
-
-
-def _strides(grid: tuple[int, int, int]) -> dict[str, int]:
-    px, py, pz = grid
-    return {"x": py * pz, "y": pz, "z": 1, "dp": px * py * pz}
+def node_axes(grid: tuple[int, int, int], dp: int, machine: Machine = None) -> tuple[str, ...]:
+    """The axes (``"dp"``, ``"x"``, ``"y"``, ``"z"``) whose groups span nodes of ``machine.gpus_per_node``
+    GPUs, for ranks laid out as :func:`~lightning_3d.init_grid` lays them and numbered node by node."""
+    gpus = (machine or DEFAULT_MACHINE).gpus_per_node
+    return axes_across_nodes((dp, *grid), [r // gpus for r in range(dp * math.prod(grid))])
 
 
 # ------------------------------------------------------------------ 3-D
@@ -207,7 +208,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     px, py, pz = grid
     cube = px * py * pz
     sizes = {"x": px, "y": py, "z": pz, "dp": dp}
-    strides = _strides(grid)
+    across = node_axes(grid, dp, m)
     h, f, L = shape.hidden, shape.ffn_hidden, shape.layers
     tokens = shape.batch * shape.seq / dp  # per replica
 
@@ -217,7 +218,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
         if g == 1:
             return 0.0
         moved = full_elements * BYTES * (g - 1) / g * (2 if op == "all_reduce" else 1)
-        return m.link(op, g, _spans_nodes(m, strides[axis], g)).seconds(moved)
+        return m.link(op, g, axis in across).seconds(moved)
 
     def exposed(t_coll: float, axis: str, t_mm: float) -> float:
         """What a gather or scatter over ``axis`` next to a product of ``t_mm`` exposes: all of it,
@@ -256,7 +257,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     bwd_exposed *= L
     # latency-bound all-reduces: the biases' gradients (replicated over x and the feature axis),
     # the norms' (over x and y), and with pz > 1 the norms' statistics (4 in forward, 2 in backward)
-    latency = m.link("all_reduce", cube, _spans_nodes(m, 1, cube)).latency_us * 1e-6
+    latency = m.link("all_reduce", cube, any(a in across for a in "xyz")).latency_us * 1e-6
     grad_reductions = 4 * (px > 1) + 2 * (px * py > 1)
     bwd_exposed += L * (grad_reductions + 2 * (pz > 1)) * latency
     fwd_exposed += L * 4 * (pz > 1) * latency
@@ -273,7 +274,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     hidden = max(0.0, comm - fwd_exposed - bwd_exposed)
     fwd = L * (sum(mm_fwd) + attn + t_mem_fwd) + fwd_exposed + m.overlap_cost * hidden / 2
     bwd = L * (2 * (sum(mm_fwd) + attn) + t_mem_bwd) + bwd_exposed + m.overlap_cost * hidden / 2
-    dp_sync = _dp_all_reduce(m, shape, cube, dp, strides["dp"])
+    dp_sync = _dp_all_reduce(m, shape, cube, dp, "dp" in across)
     bwd += dp_sync + L * m.overhead_ms * 1e-3
 
     weights = L * (4 * h * h + 2 * h * f)
@@ -295,12 +296,12 @@ def _peak(params: float, saved: float, layers: int) -> float:
     return max(params + saved + params / (2 * layers), 2 * params) * BYTES / 2**30
 
 
-def _dp_all_reduce(m: Machine, shape: ModelShape, model_parallel: int, dp: int, stride: int) -> float:
+def _dp_all_reduce(m: Machine, shape: ModelShape, model_parallel: int, dp: int, spans_nodes: bool) -> float:
     if dp == 1:
         return 0.0
     h, f = shape.hidden, shape.ffn_hidden
     grads = shape.layers * (4 * h * h + 2 * h * f) / model_parallel
-    link = m.link("all_reduce", dp, _spans_nodes(m, stride, dp))
+    link = m.link("all_reduce", dp, spans_nodes)
     return link.seconds(grads * BYTES * 2 * (dp - 1) / dp)
 
 
@@ -316,6 +317,7 @@ def predict_1d(shape: ModelShape, tp: int, dp: int = 1, machine: Machine = None,
     m = machine or DEFAULT_MACHINE
     h, f, L = shape.hidden, shape.ffn_hidden, shape.layers
     tokens = shape.batch * shape.seq / dp
+    across = node_axes((tp, 1, 1), dp, m)
     rate = m.matmul_tflops * 1e12 * m.gemm_efficiency
     mm = 2 * tokens * (4 * h * h + 2 * h * f) / tp / rate
     attn = 4 * shape.batch / dp * shape.seq**2 * h / tp / rate
@@ -326,8 +328,8 @@ def predict_1d(shape: ModelShape, tp: int, dp: int = 1, machine: Machine = None,
     t_mem_bwd = full * BYTES * (1.5 * rep + (m.passes_bwd - 1.5 * rep) / tp) / hbm
     ar = 0.0
     if tp > 1:
-        ar = m.link("all_reduce", tp, _spans_nodes(m, 1, tp)).seconds(full * BYTES * 2 * (tp - 1) / tp)
-    dp_sync = _dp_all_reduce(m, shape, tp, dp, tp)
+        ar = m.link("all_reduce", tp, "x" in across).seconds(full * BYTES * 2 * (tp - 1) / tp)
+    dp_sync = _dp_all_reduce(m, shape, tp, dp, "dp" in across)
     bwd_ars = 4 if anchor and tp > 1 else 2
     overhead = (m.peer_overhead_ms if anchor and tp > 1 else m.overhead_ms) * 1e-3
     fwd = L * (mm + attn + t_mem_fwd + 2 * ar)
@@ -352,11 +354,13 @@ def cube_grids(n: int) -> list[tuple[int, int, int]]:
 def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1d: bool = True,
                async_tp: bool = False) -> list[Prediction]:
     """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest; with
-    ``async_tp`` as collective matmuls) and, with ``include_1d``, every 1-D TP size up to a node
-    with dp, sorted by predicted step time."""
+    ``async_tp`` as collective matmuls, on cubes inside one node only) and, with ``include_1d``,
+    every 1-D TP size up to a node with dp, sorted by predicted step time."""
     m = machine or DEFAULT_MACHINE
     out = []
     for cube in (c for c in range(1, world + 1) if world % c == 0):
+        if async_tp and m.gpus_per_node % cube and world > m.gpus_per_node:
+            continue  # collective matmuls need every cube inside one node (its NVLink domain)
         for grid in cube_grids(cube):
             if grid_error(shape, grid, world // cube) is None:
                 out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp))

@@ -6,6 +6,8 @@ import glob
 import os
 import sys
 
+from dataclasses import replace
+
 import pytest
 
 from lightning_3d import planner
@@ -62,6 +64,38 @@ def test_nodes_slow_groups_that_span_them():
     inside, across = planner.predict_3d(A, (8, 1, 1), 1, m), planner.predict_3d(A, (8, 1, 1), 1, planner.Machine.from_bench(
         {"matmul_tflops": m.matmul_tflops, "copy_GBps": m.hbm_GBps}, gpus_per_node=4))
     assert across.comm_ms > 2 * inside.comm_ms
+
+
+@pytest.mark.parametrize("grid, dp, gpus, axes", [
+    ((2, 2, 2), 2, 8, ("dp",)),  # a cube per node, dp across
+    ((2, 2, 2), 2, 4, ("dp", "x")),  # a cube on two nodes of 4: x (weights) across, y and z (activations) inside
+    ((1, 4, 2), 1, 4, ("y",)),
+    ((2, 2, 2), 2, 16, ()),
+    ((4, 1, 1), 4, 8, ("dp",)),
+])
+def test_node_axes_follow_the_rank_order(grid, dp, gpus, axes):
+    assert planner.node_axes(grid, dp, replace(planner.DEFAULT_MACHINE, gpus_per_node=gpus)) == axes
+
+
+def test_inter_node_links_price_exactly_the_groups_that_span_nodes():
+    m = planner.DEFAULT_MACHINE
+    nodes_of = {g: replace(m, gpus_per_node=g) for g in (4, 8, 16)}
+    one_node, dp_across, x_across = (planner.predict_3d(A, (2, 2, 2), 2, nodes_of[g]) for g in (16, 8, 4))
+    # dp across nodes: only the gradient all-reduce moves to the slower link
+    assert dp_across.detail["dp_sync_ms"] > 5 * one_node.detail["dp_sync_ms"]
+    assert dp_across.comm_ms - dp_across.detail["dp_sync_ms"] == pytest.approx(one_node.comm_ms - one_node.detail["dp_sync_ms"])
+    # x across nodes too: the weight gathers slow down
+    assert x_across.comm_ms > dp_across.comm_ms and x_across.detail["dp_sync_ms"] == pytest.approx(dp_across.detail["dp_sync_ms"])
+    # a faster network narrows the gap
+    fast = replace(nodes_of[4], inter={op: planner.Link(360.0, 40.0) for op in planner.OPS})
+    assert planner.predict_3d(A, (2, 2, 2), 2, fast).comm_ms < x_across.comm_ms
+
+
+def test_collective_matmuls_only_on_cubes_inside_a_node():
+    two_nodes = replace(planner.DEFAULT_MACHINE, gpus_per_node=8)
+    shape = planner.ModelShape(8192, 64, 2048, 16, 48)
+    assert all(8 % (p.grid[0] * p.grid[1] * p.grid[2]) == 0 for p in planner.candidates(shape, 16, two_nodes, False, async_tp=True))
+    assert max(p.grid[0] * p.grid[1] * p.grid[2] for p in planner.candidates(shape, 16, two_nodes, False)) == 16
 
 
 def test_collective_matmuls_hide_the_activation_collectives():

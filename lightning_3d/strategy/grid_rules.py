@@ -32,15 +32,18 @@ def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices
     """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
 
     ``grid="auto"`` with dp ``"auto"`` and a ``model_shape`` takes the cost model's fastest grid
-    that fits (:func:`lightning_3d.planner.best_grid`); without a shape it factors the devices of
-    one node (or ``world / dp`` when dp is given). ``data_parallel_size="auto"`` takes the rest.
+    that fits (:func:`lightning_3d.planner.best_grid`, nodes of ``devices_per_node`` GPUs, links
+    between them priced as such); without a shape it factors the devices of one node, so that
+    each cube lies inside a node and dp spans the nodes (or ``world / dp`` when dp is given).
+    ``data_parallel_size="auto"`` takes the rest.
 
     Raises:
         ValueError: the numbers do not multiply to the world size; the message names the fix.
     """
     if grid == "auto":
         if dp == "auto" and model_shape is not None:
-            shape = planner.best_grid(**dataclasses.asdict(model_shape), world=world, async_tp=async_tp)
+            machine = dataclasses.replace(planner.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
+            shape = planner.best_grid(**dataclasses.asdict(model_shape), world=world, machine=machine, async_tp=async_tp)
             return shape, world // math.prod(shape)
         if dp == "auto":
             cube = math.gcd(devices_per_node, world)
