@@ -17,6 +17,14 @@ packed sequences from position ids).
 from __future__ import annotations
 
 import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
 import harness
 import pytest
@@ -252,3 +260,72 @@ def export_and_bf16_job(grid, folder: str) -> dict:
 
 def test_save_pretrained_and_bf16_autocast(tmp_path):
     assert_within_tolerances(harness.run(8, on_grids, [(2, 2, 2)], export_and_bf16_job, str(tmp_path)))
+
+
+# ----- three AdamW steps under Trainer(strategy="tensor3d"), against the dense model on the same batches -----
+
+SCRIPT = Path(__file__).parent / "lightning_scripts" / "hf_fit.py"
+LIGHTNING_TOL = 1e-9
+
+
+def run_ranks(script: Path, world: int, *args: str, timeout: float = 240) -> None:
+    """``script *args`` on ``world`` local ranks (env set as a launcher would); fail with the failed ranks' log tails."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    root = str(Path(__file__).parent.parent)
+    logs, procs = [], []
+    for rank in range(world):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
+        logs.append(tempfile.TemporaryFile("w+"))
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            break
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    tails = []
+    for r in failed:
+        logs[r].seek(0)
+        tails.append(f"--- rank {r} ---\n" + "\n".join(logs[r].read().splitlines()[-30:]))
+    assert not failed, f"{script.name}: ranks {failed} failed or hung\n" + "\n".join(tails)
+
+
+def test_lightning_adamw_steps_equal_dense(tmp_path):
+    """1×2×1 with dp 2: each step's loss (dp mean) and the saved weights after 3 steps equal the dense model's
+    trained on the same two replica batches per step (the mean of the replicas' losses, as DDP averages)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import hf_fit
+    from transformers import AutoModelForCausalLM
+
+    run_ranks(SCRIPT, 4, str(tmp_path))
+    records = [json.loads((tmp_path / f"hf.rank{r}.json").read_text()) for r in range(4)]
+    replicas = {rec["dp_rank"]: rec["batches"] for rec in records}
+    assert sorted(replicas) == [0, 1] and all(rec["batches"] == replicas[rec["dp_rank"]] for rec in records)
+    data, dense = hf_fit.Padded(), float64_reference(hf_fit.llama())
+    opt = hf_fit.optimizer(dense.parameters())
+    losses = []
+    for step in range(hf_fit.STEPS):
+        replica_losses = []
+        for indices in (replicas[0][step], replicas[1][step]):
+            batch = {k: torch.stack([data[i][k] for i in indices]) for k in ("input_ids", "attention_mask", "labels")}
+            logits = dense(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            replica_losses.append(shifted_loss(logits, batch["labels"]))
+        loss = torch.stack(replica_losses).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for rec in records:
+        assert rel(torch.tensor(rec["loss"], dtype=F64), torch.tensor(losses, dtype=F64)) < LIGHTNING_TOL, (rec["loss"], losses)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=F64).state_dict()
+    errs = {k: rel(trained[k], t) for k, t in dense.state_dict().items()}
+    assert max(errs.values()) < LIGHTNING_TOL, errs
