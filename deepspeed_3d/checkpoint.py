@@ -124,7 +124,8 @@ def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str = "
         if not key.startswith(prefix):
             continue
         spec = specs.get(key)
-        full = value if spec is None else assemble_tensor([shard[key] for shard in shards], spec, grid)
+        tied = layout.get("ties", {}).get(key, key)  # DeepSpeed lists a tied parameter under its first name only, on some ranks
+        full = value if spec is None else assemble_tensor([shard.get(key, shard.get(tied)) for shard in shards], spec, grid)
         out[key[len(prefix):]] = global_to_dense(full, dense_shapes[key]) if key in dense_shapes else full
     if not out:
         raise ValueError(f"{path} holds no model tensors under the prefix {prefix!r}")

@@ -26,13 +26,14 @@ LAYOUT_KEY = "tensor3d_layout"
 
 def model_layout(module: nn.Module, grid: Grid) -> dict[str, Any]:
     """The layout of ``module``'s sharded parameters on ``grid``."""
-    params = {}
+    params, first, ties = {}, {}, {}
     for name, param in module.named_parameters(remove_duplicate=False):
         spec = get_spec(param)
         if spec is not None:
             params[name] = {"global_shape": list(spec.global_shape), "dims": [list(axes) for axes in spec.dims]}
+        ties[name] = first.setdefault(id(param), name)  # a tied parameter (an LM head's) → its first name
     return {"grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size, "params": params,
-            "dense_shapes": dense_shapes(module)}
+            "dense_shapes": dense_shapes(module), "ties": {k: v for k, v in ties.items() if k != v}}
 
 
 def layout_specs(layout: dict[str, Any]) -> dict[str, ShardSpec]:

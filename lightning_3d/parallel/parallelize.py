@@ -108,6 +108,11 @@ def _match(model: nn.Module, plan: Plan) -> tuple[list[tuple[str, nn.Module]], d
     if unmapped:
         raise ValueError(f"no rule of the plan maps these modules of {type(model).__name__}, which hold parameters:\n"
                          + "\n".join(unmapped))
+    names = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    shared = [name for name in rules if names[id(model.get_submodule(name))] > 1]
+    if shared:
+        raise ValueError(f"{shared} are registered under several names in {type(model).__name__}: a module replaced at one "
+                         "name would stay dense at the others; give each place a module of its own")
     if plan.strict:
         _check_used(model, plan.rules, rules, "rule")
     return order, rules
