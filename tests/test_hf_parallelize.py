@@ -213,28 +213,33 @@ def test_refusals_and_llama_like_models():
 
 
 def export(grid, folder: str) -> dict:
-    """``save_pretrained`` on the grid, ``from_pretrained`` on one rank: the same tensors, the same logits."""
+    """``save_pretrained`` on the grid, and a sharded checkpoint converted by ``checkpoint_to_pretrained`` in one
+    process: ``from_pretrained`` of either folder holds the model's tensors and gives its logits."""
     from transformers import AutoModelForCausalLM
 
-    from lightning_3d.hf import hf_state_dict, save_pretrained
+    from lightning_3d import checkpoint as ckpt
+    from lightning_3d.hf import checkpoint_to_pretrained, hf_state_dict, save_pretrained
     from lightning_3d.parallel import parallelize
 
     errs = {}
     for name in ("llama_tied", "gpt2"):
         model = parallelize(perturbed(MODELS[name], 4), grid=grid)
         save_pretrained(model, f"{folder}/{name}")
+        ckpt.save(f"{folder}/{name}.ckpt", {"state_dict": ckpt.model_state(model, grid)}, grid, model)
         ids = batch(grid, 5, False, False)["input_ids"]
         with torch.no_grad():
             logits = gather_activation(model(ids).logits, "y", grid)[..., :V]
         state = hf_state_dict(model)
         if torch.distributed.get_rank() == 0:
-            loaded = AutoModelForCausalLM.from_pretrained(f"{folder}/{name}", dtype=F64)
-            with torch.no_grad():
-                ref = loaded(ids, use_cache=False).logits
-            tag = "f32_" if name.startswith("llama") else ""  # the loaded Llama's norms compute in float32
-            errs[f"{name}_{tag}logits"] = rel(logits, ref)
-            errs[f"{name}_same_class"] = float(type(loaded).__name__ != type(model).__name__)
-            errs.update({f"{name}_{k}": rel(state[k], t) for k, t in loaded.state_dict().items()})
+            checkpoint_to_pretrained(f"{folder}/{name}.ckpt", f"{folder}/{name}_from_ckpt")
+            for route in ("", "_from_ckpt"):
+                loaded = AutoModelForCausalLM.from_pretrained(f"{folder}/{name}{route}", dtype=F64)
+                with torch.no_grad():
+                    ref = loaded(ids, use_cache=False).logits
+                tag = "f32_" if name.startswith("llama") else ""  # the loaded Llama's norms compute in float32
+                errs[f"{name}{route}_{tag}logits"] = rel(logits, ref)
+                errs[f"{name}{route}_same_class"] = float(type(loaded).__name__ != type(model).__name__)
+                errs.update({f"{name}{route}_{k}": rel(state[k], t) for k, t in loaded.state_dict().items()})
     return errs
 
 

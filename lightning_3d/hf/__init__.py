@@ -6,9 +6,9 @@ model keeps its call interface (:mod:`.interface`); :func:`save_pretrained` writ
 folder ``from_pretrained`` loads. ``transformers`` is imported only when such a model runs or is saved.
 """
 
-from .export import hf_state_dict, save_pretrained
+from .export import checkpoint_to_pretrained, hf_state_dict, save_pretrained
 from .plans import register_builtin_plans
 
 register_builtin_plans()
 
-__all__ = ["hf_state_dict", "save_pretrained"]
+__all__ = ["checkpoint_to_pretrained", "hf_state_dict", "save_pretrained"]

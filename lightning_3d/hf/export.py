@@ -33,8 +33,11 @@ def hf_state_dict(model: nn.Module, plan: Plan | None = None) -> dict[str, torch
     modules (``Conv1D``) back in ``[in, out]``; ``plan`` defaults to the model's built-in plan.
     Collective over the cube; every cube rank gets the tensors.
     """
-    plan = plan if plan is not None else find_plan(model)
-    state_dict = dense_state_dict(model)
+    return as_stored(model, dense_state_dict(model), plan if plan is not None else find_plan(model))
+
+
+def as_stored(model: nn.Module, state_dict: dict[str, torch.Tensor], plan: Plan) -> dict[str, torch.Tensor]:
+    """A dense state dict (``nn.Linear`` layouts) with the weights of ``plan``'s transposed linears back in ``[in, out]``."""
     for name, _ in model.named_modules():
         rule = plan.rule_for(name)
         if isinstance(rule, Linear) and rule.transposed:
@@ -81,3 +84,34 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, plan: Plan | N
         write_pretrained(model, state_dict, path, max_shard_size)
     if dist.is_initialized():
         dist.barrier()
+
+
+def checkpoint_to_pretrained(checkpoint: str | os.PathLike, path: str | os.PathLike, *, prefix: str | None = None,
+                             max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """A sharded checkpoint of a parallelized ``transformers`` model, saved on any grid, as a ``from_pretrained`` folder.
+
+    One process, no process group. The checkpoint's dense tensors
+    (:func:`lightning_3d.checkpoint.to_dense`; ``prefix`` as there, by default the recorded
+    model's, e.g. ``"model."`` for a LightningModule's ``self.model``) are written as
+    :func:`save_pretrained` writes them, for the recorded ``transformers`` class and config (built
+    on ``meta``; its built-in plan says which weights are stored ``[in, out]``).
+
+    Raises:
+        ValueError: the checkpoint records no ``transformers`` config for that prefix.
+    """
+    import transformers
+
+    from ..checkpoint import dense_info, to_dense
+
+    info = dense_info(checkpoint, prefix)
+    config_class = getattr(transformers, info.get("config_class") or "", None)
+    model_class = getattr(transformers, info.get("model") or "", None)
+    if not (isinstance(config_class, type) and issubclass(config_class, transformers.PreTrainedConfig)
+            and isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)
+            and info.get("config") is not None):
+        raise ValueError(f"{checkpoint} records no transformers model and config under prefix {info['prefix']!r} "
+                         f"(it holds {info.get('model') or 'an unknown model'}); pass the prefix of the parallelized "
+                         "transformers model")
+    with torch.device("meta"):
+        model = model_class(config_class.from_dict(info["config"]))
+    write_pretrained(model, as_stored(model, to_dense(checkpoint, prefix), find_plan(model)), path, max_shard_size)
