@@ -7,7 +7,9 @@ strategy after ``configure_model``) reaches all of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from .arguments import flag
 
 
 @dataclass
@@ -30,6 +32,10 @@ class RuntimeOptions:
     save_gathered: bool = True
     prefetch: bool = False
     activation_checkpointing: bool = False
+
+    def __post_init__(self):
+        for f in fields(self):  # checked, not coerced: async_tp="no" would read as True
+            flag(getattr(self, f.name), f.name)
 
 
 def resolve_options(options: RuntimeOptions | None) -> RuntimeOptions:

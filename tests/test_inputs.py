@@ -13,6 +13,7 @@ import harness
 from lightning_3d import (CrossEntropyLoss3D, Linear3D, VocabParallelEmbedding3D, arguments, gather_activation, init_grid,
                           split_activation)
 from lightning_3d.models import GPT3D, GPTConfig
+from lightning_3d.options import RuntimeOptions
 from lightning_3d.strategy import grid_rules
 
 FAST = 30  # seconds: a hang would be cut at the workers' 60 s collective timeout
@@ -72,7 +73,7 @@ def disagreeing_grid_job(kind):
     rank = dist.get_rank()
     args = {"shape": dict(shape=(2, 2, 1) if rank < 2 else (4, 1, 1)),
             "dp": dict(shape=(2, 1, 1), data_parallel_size=2 if rank != 3 else None),
-            "async_tp": dict(shape=(2, 1, 1), async_tp=rank == 1)}[kind]
+            "timeout": dict(shape=(2, 1, 1), timeout=30 if rank == 1 else 60)}[kind]
     shape = args.pop("shape")
     start = time.monotonic()
     msg = _error(lambda: init_grid(shape, **args))
@@ -82,7 +83,7 @@ def disagreeing_grid_job(kind):
 @pytest.mark.parametrize("kind, expected", [
     ("shape", "init_grid: the ranks disagree on shape = (2, 2, 1) on ranks 0-1, (4, 1, 1) on ranks 2-3"),
     ("dp", "data_parallel_size = 2 on ranks 0-2, None on rank 3"),
-    ("async_tp", "async_tp = False on ranks 0, 2-3, True on rank 1"),
+    ("timeout", "timeout = 60 on ranks 0, 2-3, 30 on rank 1"),
 ])
 def test_ranks_that_disagree_on_the_grid_all_raise(kind, expected):
     for msg, seconds in harness.run(4, disagreeing_grid_job, kind, timeout=FAST):
@@ -163,12 +164,14 @@ def test_flags_and_counts_are_checked():
     assert "data_parallel_size must be a positive int, got 2.0 (a float)" in _error(lambda: arguments.positive_int(2.0, "data_parallel_size"))
     assert "got True (a bool)" in _error(lambda: grid_rules.check_dp_arg(True))
     assert arguments.grid_shape(torch.Size([2, 1, 2])) == (2, 1, 2) and arguments.timeout(1.5) == datetime.timedelta(seconds=1.5)
+    assert "async_tp must be True or False, got 'no' (a str)" in _error(lambda: RuntimeOptions(async_tp="no"))
+    assert "save_gathered must be True or False, got 0 (a int)" in _error(lambda: RuntimeOptions(save_gathered=0))
 
 
 def bad_types_job():
     return {name: _error(lambda: init_grid(*args, **kwargs)) for name, args, kwargs in [
         ("string", ("221",), {}), ("float", ((2.7, 1, 1),), {}), ("bool", ((2, True, 1),), {}),
-        ("async_tp", ((2, 1, 1),), {"async_tp": "no"}), ("timeout", ((2, 1, 1),), {"timeout": datetime.timedelta(0)}),
+        ("timeout", ((2, 1, 1),), {"timeout": datetime.timedelta(0)}),
         ("dp", ((2, 1, 1), 2.0), {}),
     ]}
 
@@ -176,6 +179,5 @@ def bad_types_job():
 def test_init_grid_refuses_wrong_types_on_every_rank():
     for m in harness.run(4, bad_types_job, timeout=FAST):
         assert "strings are not parsed" in m["string"] and "px = 2.7 is a float" in m["float"] and "py = True is a bool" in m["bool"]
-        assert "async_tp must be True or False, got 'no'" in m["async_tp"]
         assert "timeout must be positive, got datetime.timedelta(0)" in m["timeout"]
         assert "data_parallel_size must be a positive int, got 2.0" in m["dp"]
