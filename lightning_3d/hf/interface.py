@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..agreement import agree_on_first_call
 from ..grid import Grid
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
 
@@ -96,6 +97,7 @@ def lay_out_inputs(model: nn.Module, grid: Grid, args: tuple, kwargs: dict, *, p
                          "use_cache=False (or unset)")
     call["use_cache"] = False
     input_ids = call["input_ids"]
+    agree_on_first_call(model, grid.group("cube"), "parallelized model input", input_ids=input_ids, labels=call.get("labels"))
     _check_batch(input_ids, grid)
     mask, positions = call.get("attention_mask"), call.get("position_ids")
     for name, t, dims in (("attention_mask", mask, 2), ("labels", call.get("labels"), 2)):
