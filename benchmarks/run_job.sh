@@ -3,11 +3,11 @@
 #   nvlink   both models on 4 GPUs, every default case (NVLink)
 #   p2p-off  both models on 4 GPUs with NCCL_P2P_DISABLE=1 (traffic through host memory; no async cases)
 #   small    both models on 2 GPUs (GPUs 0,1) and on 1 GPU (GPU 3), side by side
-# Each torchrun gets a time budget (BUDGET_S seconds, default 240): cases that would end later are
+# Each torchrun gets a time budget (BUDGET_S seconds, default 200: both models of one mode fit one 10-minute call): cases that would end later are
 # recorded as not run. Results: $OUT/job_w{N}_{model}_{links}.json and log_{mode}.txt.
 set -u
 OUT=${OUT:-out}
-BUDGET_S=${BUDGET_S:-240}
+BUDGET_S=${BUDGET_S:-200}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS="gpt2-1.3b llama-7b"

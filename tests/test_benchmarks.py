@@ -64,6 +64,11 @@ def test_train_job_smoke_on_cpu(tmp_path):
     _check_same_job(data, labels)
     assert data["cases"][4]["picks"].startswith("3d ")
     assert data["meta"]["tokens_per_step"] == 8 * 16 and data["meta"]["flops_per_step"] > 0
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import job_report
+
+    text = job_report.table(str(tmp_path / "job_w2_tiny-gpt2_nvlink.json"))
+    assert "| 3d 1x2x1 async |" in text and "| **" in text and "vs best peer" in text
 
 
 def test_train_job_2d_peer_and_llama_on_cpu(tmp_path):
