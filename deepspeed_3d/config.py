@@ -5,8 +5,8 @@
     {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
      "tensor3d": {"grid": [2, 2, 1], "async_tp": false}}
 
-``async_tp`` (optional, default false) is ``lightning_3d.init_grid``'s: the 3-D products run their
-activation gathers and scatters as collective matmuls. Every rank of one cube sees the same micro-batch, so DeepSpeed's batch arithmetic runs over the
+``async_tp`` (optional, default false) sets the model's ``lightning_3d.RuntimeOptions.async_tp``:
+the 3-D products run their activation gathers and scatters as collective matmuls. Every rank of one cube sees the same micro-batch, so DeepSpeed's batch arithmetic runs over the
 data-parallel size ``dp = world / (px·py·pz)``, not over the world size.
 """
 
@@ -77,7 +77,7 @@ def init_grid_from_config(config: dict[str, Any] | str | os.PathLike) -> Grid:
     grid, or when there is neither a section nor a current grid.
     """
     config = load_config(config)
-    shape, overlap = grid_shape(config), async_tp(config)
+    shape = grid_shape(config)
     if not dist.is_initialized():
         deepspeed.init_distributed()
     current = current_grid()
@@ -88,18 +88,13 @@ def init_grid_from_config(config: dict[str, Any] | str | os.PathLike) -> Grid:
                 f'the config asks for "{SECTION}": {{"grid": {list(shape)}}} but the current grid is {px}×{py}×{pz}; '
                 f'build the model on the grid of the config, or set "grid": {[px, py, pz]} (or drop the section)'
             )
-        if shape is not None and current.async_tp != overlap:
-            raise ValueError(
-                f'the config asks for "{SECTION}": {{"async_tp": {str(overlap).lower()}}} but the current grid has '
-                f"async_tp={current.async_tp}; pass async_tp={overlap} to lightning_3d.init_grid or change the config"
-            )
         return current
     if shape is None:
         raise ValueError(
             f'no grid: add "{SECTION}": {{"grid": [px, py, pz]}} to the DeepSpeed config '
             f"or call lightning_3d.init_grid((px, py, pz)) before building the model"
         )
-    return lightning_3d.init_grid(shape, async_tp=overlap)
+    return lightning_3d.init_grid(shape)
 
 
 def check_batch_size(config: dict[str, Any], grid: Grid) -> None:

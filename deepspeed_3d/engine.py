@@ -9,9 +9,12 @@ from typing import Any
 import deepspeed
 from torch import nn
 
+from lightning_3d.parallel import set_options
+
 from .checkpoint import read_layout, tag_dir
 from .config import (
     SECTION,
+    async_tp,
     check_batch_size,
     init_grid_from_config,
     keep_torch_linear,
@@ -42,6 +45,9 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     Returns:
         What ``deepspeed.initialize`` returns: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
+    The section's ``"async_tp": true`` sets the model's run-time option
+    (``lightning_3d.parallel.set_options(model, async_tp=True)``).
+
     Raises:
         ValueError: ``mpu`` passed, the section disagrees with the grid, the batch sizes do not
             satisfy ``train_batch_size = micro × accumulation × dp``, or training in mixed precision
@@ -51,6 +57,8 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
         raise ValueError("deepspeed_3d.initialize builds the mpu from the grid; do not pass mpu=")
     config = load_config(config)
     grid = init_grid_from_config(config)
+    if async_tp(config):
+        set_options(model, async_tp=True)
     config.pop(SECTION, None)
     check_batch_size(config, grid)
     if "optimizer" in config or kwargs.get("optimizer") is not None:  # the gradient norm matters only when training

@@ -47,9 +47,9 @@ def normalize_axes(axes: str) -> str:
 class Grid:
     """A ``dp × px × py × pz`` grid of ranks and its process groups.
 
-    Build it with :func:`init_grid`. ``shape`` is ``(px, py, pz)``; ``coords`` is ``(d, i, j, l)``;
-    ``async_tp``: the 3-D products run their gathers and scatters as collective matmuls
-    (:mod:`lightning_3d.ops.async_tp`). ``axes_across_nodes``: the axes (of ``"dp"``, ``"x"``,
+    Build it with :func:`init_grid`. It holds topology only: how a model runs on it is the
+    layers' :class:`~lightning_3d.options.RuntimeOptions`. ``shape`` is ``(px, py, pz)``;
+    ``coords`` is ``(d, i, j, l)``; ``axes_across_nodes``: the axes (of ``"dp"``, ``"x"``,
     ``"y"``, ``"z"``) some of whose groups span more than one node; ``("dp",)`` or ``()`` when
     every cube fits in a node.
     """
@@ -60,7 +60,6 @@ class Grid:
     mesh: DeviceMesh
     timeout: datetime.timedelta | None
     _groups: dict[str, dist.ProcessGroup] = field(repr=False)
-    async_tp: bool = False
     axes_across_nodes: tuple[str, ...] = ()
 
     @property
@@ -105,7 +104,7 @@ class Grid:
     def __repr__(self) -> str:
         px, py, pz = self.shape
         nodes = f", across nodes: {'+'.join(self.axes_across_nodes)}" if self.axes_across_nodes else ""
-        return f"Grid({px}×{py}×{pz}, dp={self.data_parallel_size}, coords={self.coords}{', async_tp' if self.async_tp else ''}{nodes})"
+        return f"Grid({px}×{py}×{pz}, dp={self.data_parallel_size}, coords={self.coords}{nodes})"
 
 
 def _check_shape(shape: object, world: int, dp: object) -> tuple[tuple[int, int, int], int]:
@@ -176,7 +175,6 @@ def init_grid(
     *,
     device_type: str | None = None,
     timeout: datetime.timedelta | float | None = None,
-    async_tp: bool = False,
 ) -> Grid:
     """Build the grid on the initialised default process group and make it the current grid.
 
@@ -190,36 +188,26 @@ def init_grid(
         device_type: ``"cuda"`` or ``"cpu"``; defaults to the default backend's device.
         timeout: collective timeout of every group, a positive ``timedelta`` or seconds; defaults
             to the default group's.
-        async_tp: ``True`` runs each 3-D product's activation gather or scatter as a collective
-            matmul, pipelined block by block with the product (symmetric memory on CUDA: every
-            rank of a cube must reach its peers' memory, i.e. one node's NVLink domain; see
-            :mod:`lightning_3d.ops.async_tp`).
 
     Raises:
         ValueError: the ranks passed different arguments; an argument of the wrong type or
-            range; the world size is not ``dp·px·py·pz``; or ``async_tp`` cannot run on
-            ``device_type`` or across the nodes a cube spans.
+            range; the world size is not ``dp·px·py·pz``.
     """
     global _current
     if not dist.is_initialized():
         raise RuntimeError("init_grid needs an initialised default process group: call torch.distributed.init_process_group first")
     world = dist.get_world_size()
     given = {"shape": tuple(shape) if isinstance(shape, (list, tuple)) else shape, "data_parallel_size": data_parallel_size,
-             "device_type": device_type, "timeout": timeout, "async_tp": async_tp}
+             "device_type": device_type, "timeout": timeout}
     # Agree before checking: a check that failed on some ranks only would leave the others waiting.
     seen = exchange({**given, "node": node_name()}, dist.group.WORLD)
     require_equal(seen, given, list(range(world)), "init_grid", "every rank must call init_grid with the same arguments")
     nodes = [s["node"] for s in seen]
     shape, dp = _check_shape(shape, world, data_parallel_size)
-    async_tp = arguments.flag(async_tp, "async_tp")
     timeout = arguments.timeout(timeout) if timeout is not None else _default_timeout()
     backend = dist.get_backend()
     if device_type is None:
         device_type = "cuda" if "nccl" in backend else "cpu"
-    if async_tp:
-        from .ops.async_tp import check_available
-
-        check_available(device_type, shape[0] * shape[1] * shape[2], nodes.count(nodes[dist.get_rank()]))
     mesh_shape = (dp,) + shape
     opts = _backend_options(backend, timeout)
     override = {name: (backend, opts) for name in MESH_AXES} if opts is not None else None
@@ -237,7 +225,7 @@ def init_grid(
             groups["".join(axes)], _ = dist.new_subgroups_by_enumeration(members.tolist(), timeout=timeout)
     coords = tuple(int(c) for c in mesh.get_coordinate())
     _current = Grid(shape=shape, data_parallel_size=dp, coords=coords, mesh=mesh, timeout=timeout, _groups=groups,
-                    async_tp=async_tp, axes_across_nodes=axes_across_nodes(mesh_shape, nodes))
+                    axes_across_nodes=axes_across_nodes(mesh_shape, nodes))
     return _current
 
 

@@ -57,15 +57,10 @@ def on_grids(grids, job, *args) -> dict:
     return {shape: job(harness.grid(shape), *args) for shape in grids}
 
 
-def on_async_tp_grids(grids, job, *args) -> dict:
-    """:func:`on_grids` with ``async_tp=True`` grids (gathers and scatters as collective matmuls)."""
-    return {shape: job(harness.grid(shape, async_tp=True), *args) for shape in grids}
-
-
 def assert_close(results: list, tol: float = TOL) -> None:
     """Per-rank {grid: {what: err}} → assert every error below ``tol``."""
     bad = [(rank, g, k, e) for rank, r in enumerate(results) for g, errs in r.items() for k, e in errs.items() if not e < tol]
     assert not bad, f"errors above {tol}: {bad[:10]}"
 
 
-__all__ = ["GRIDS_8", "ShardSpec", "TOL", "assert_close", "compare_module", "local", "on_async_tp_grids", "on_grids", "rel", "seed_for"]
+__all__ = ["GRIDS_8", "ShardSpec", "TOL", "assert_close", "compare_module", "local", "on_grids", "rel", "seed_for"]

@@ -50,13 +50,13 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     dist.destroy_process_group()
 
 
-def grid(shape, dp=None, async_tp=False):
+def grid(shape, dp=None):
     """The worker's grid of this shape, built once (group creation is collective: every rank calls alike)."""
     import lightning_3d
 
-    key = (tuple(shape), dp, async_tp)
+    key = (tuple(shape), dp)
     if key not in _grids:
-        _grids[key] = lightning_3d.init_grid(shape, dp, async_tp=async_tp)
+        _grids[key] = lightning_3d.init_grid(shape, dp)
     lightning_3d.set_grid(_grids[key])
     return _grids[key]
 

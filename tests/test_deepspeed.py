@@ -290,7 +290,6 @@ def errors_job(shape, ckpt_root):
         "precision": {**ds_config(shape, 0, dp), "bf16": {"enabled": True}},
         "section": {**ds_config(shape, 1, dp), "tensor3d": {"grid": [2, 1, 1]}},
         "section_keys": {**ds_config(shape, 1, dp), "tensor3d": {"shape": [1, 1, 2]}},
-        "async_tp": {**ds_config(shape, 1, dp), "tensor3d": {"grid": list(shape), "async_tp": True}},
         "async_tp_type": {**ds_config(shape, 1, dp), "tensor3d": {"grid": list(shape), "async_tp": "yes"}},
     }
     messages = {}
@@ -370,7 +369,6 @@ def test_initialize_errors(tmp_path):
     assert "bf16 without ZeRO" in messages["precision"] and '"stage": 1' in messages["precision"]
     assert "[2, 1, 1]" in messages["section"] and "1×1×2" in messages["section"]
     assert '{"grid": [px, py, pz]}' in messages["section_keys"]
-    assert '"async_tp": true' in messages["async_tp"] and "async_tp=False" in messages["async_tp"]
     assert "must be true or false, got 'yes'" in messages["async_tp_type"]
     assert "do not pass mpu=" in messages["mpu"]
 

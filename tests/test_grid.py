@@ -60,17 +60,18 @@ def test_bad_grid_raises(shape, world, dp, message):
 def init_mismatch_job():
     with pytest.raises(ValueError, match="launch 12 processes"):
         init_grid((2, 2, 1), 3)
-    with pytest.raises(ValueError, match="async_tp=True runs on 'cuda' or 'cpu' grids, not 'meta': pass async_tp=False"):
-        init_grid((2, 2, 2), device_type="meta", async_tp=True)
     return True
 
 
-def test_async_tp_refuses_a_cube_across_nodes():
+def test_async_tp_refuses_a_cube_across_nodes_and_other_devices():
     from lightning_3d.ops.async_tp import check_available
 
-    check_available("cuda", 4, 8)
-    with pytest.raises(ValueError, match=r"every cube of px·py·pz = 8 ranks on one node .* a node runs 4 ranks: use a grid whose px·py·pz divides 4"):
-        check_available("cuda", 8, 4)
+    check_available("cuda", 4, ("dp",))
+    with pytest.raises(ValueError, match=r"every cube of px·py·pz = 8 ranks on one node .* the cube's x groups span nodes: "
+                                         r"use a grid whose px·py·pz divides the ranks per node"):
+        check_available("cuda", 8, ("x",))
+    with pytest.raises(ValueError, match="async_tp=True runs on 'cuda' or 'cpu' grids, not 'meta': pass async_tp=False"):
+        check_available("meta", 8)
 
 
 @pytest.mark.parametrize("mesh, nodes, axes", [

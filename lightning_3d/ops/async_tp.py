@@ -35,10 +35,10 @@ FORMS = ("ab", "abt")  # the local products whose output rows are the rows of a
 PIPELINES = ("_pipelined_all_gather_and_consume", "_pipelined_produce_and_all2all")
 
 
-def check_available(device_type: str, cube_size: int, ranks_per_node: int) -> None:
+def check_available(device_type: str, cube_size: int, axes_across_nodes: tuple[str, ...] = ()) -> None:
     """Raise a ValueError naming the fix when collective matmuls cannot run: a device other than
-    CUDA or CPU, no symmetric memory in this torch, or a CUDA cube that spans nodes (its ranks
-    must map each other's memory)."""
+    CUDA or CPU, no symmetric memory in this torch, or a CUDA cube whose ``axes_across_nodes``
+    (of x, y, z) span nodes (its ranks must map each other's memory)."""
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"async_tp=True runs on 'cuda' or 'cpu' grids, not {device_type!r}: pass async_tp=False")
     if device_type == "cuda":
@@ -51,10 +51,11 @@ def check_available(device_type: str, cube_size: int, ranks_per_node: int) -> No
         if missing:
             raise ValueError(f"async_tp=True needs PyTorch's symmetric-memory pipelines {missing}, missing from torch "
                              f"{torch.__version__}: pass async_tp=False")
-        if ranks_per_node % cube_size:
+        spanning = [a for a in axes_across_nodes if a in ("x", "y", "z")]
+        if spanning:
             raise ValueError(f"async_tp=True needs every cube of px·py·pz = {cube_size} ranks on one node (one NVLink domain), "
-                             f"but a node runs {ranks_per_node} ranks: use a grid whose px·py·pz divides {ranks_per_node}, "
-                             "or pass async_tp=False")
+                             f"but the cube's {'+'.join(spanning)} groups span nodes: use a grid whose px·py·pz divides the "
+                             "ranks per node, or pass async_tp=False")
 
 
 _enabled: set[str] = set()

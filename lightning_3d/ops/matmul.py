@@ -243,7 +243,7 @@ def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tens
         return _mm(form, a, b, bias)
     ga, gb, gc = (grid.group(axis) for axis in directions)
     prefetch = _active_prefetch if _is_parameter(b) else None
-    return _Matmul3D.apply(a, b, bias, MatmulPlan(form, ga, gb, gc, options.save_gathered, prefetch, options.async_tp or grid.async_tp))
+    return _Matmul3D.apply(a, b, bias, MatmulPlan(form, ga, gb, gc, options.save_gathered, prefetch, options.async_tp))
 
 
 def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, options: RuntimeOptions | None = None) -> torch.Tensor:

@@ -42,8 +42,7 @@ def options_of(model: nn.Module) -> RuntimeOptions:
 def check_options(options: RuntimeOptions, grid: Grid) -> None:
     """``ValueError`` naming the fix when ``options`` cannot run on ``grid`` (collective matmuls that this device or torch lacks)."""
     if options.async_tp:
-        spans = [a for a in grid.axes_across_nodes if a != "dp"]
-        check_available(grid.mesh.device_type, grid.cube_size, grid.cube_size if not spans else 1)
+        check_available(grid.mesh.device_type, grid.cube_size, grid.axes_across_nodes)
 
 
 def set_options(model: nn.Module, **changes) -> None:
