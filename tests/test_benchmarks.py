@@ -1,10 +1,15 @@
-"""The GPU benchmark's script runs on CPU (gloo, tiny shapes): every case is timed, the 3-D
-correctness check passes on every grid, and the report prints its tables."""
+"""The GPU benchmarks' scripts run on CPU (gloo, tiny shapes). Block stacks: every case is timed,
+the 3-D correctness check passes on every grid, and the report prints its tables. The whole
+training job: every 3-D grid and every peer that runs on CPU train the same model to the same
+losses in float32."""
 
 import json
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,3 +80,15 @@ def test_train_job_2d_peer_and_llama_on_cpu(tmp_path):
     """On 4 ranks the Llama-style model: FSDP2 × TP+SP and 3-D grids with dp agree with plain TP+SP."""
     labels = ["tp-sp", "fsdp2-tp 2x2", "3d 2x2x1 async", "3d 1x2x1 dp2"]
     _check_same_job(_train_job(tmp_path, 4, "tiny-llama", ";".join(labels)), labels)
+
+
+def test_train_job_cases_parse_and_refuse_bad_input():
+    """Case names parse to methods and back; a case that does not fit the world is refused with its numbers."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import train_job
+
+    for text in ("3d 1x2x1 dp2 async", "3d auto", "tp-sp compile async", "fsdp2-tp 2x2 compile", "ddp"):
+        assert train_job.Method.parse(text, 4).label == text
+    for text, words in (("3d 2x2x2", "dp·px·py·pz = 8"), ("fsdp2-tp 2x4", "dp·tp = 8"), ("megatron", "first word"), ("tp fast", "'fast'")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            train_job.Method.parse(text, 4)
