@@ -35,9 +35,9 @@ class TinyLM(pl.LightningModule):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--max-steps", type=int, default=30)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--devices", type=int, default=8, help="CPU processes (8: a 2×2×2 grid)")
+    parser.add_argument("--max-steps", type=int, default=30, help="optimizer steps")
     args = parser.parse_args()
     torch.manual_seed(0)
     text = torch.tensor(list(b"3-D tensor parallelism splits every weight, activation and FLOP. " * 64))

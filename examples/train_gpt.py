@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_3d import (
     Tensor3DStrategy,  # the class of whichever Lightning package is installed
 )
+from lightning_3d.checkpoint import latest_complete
 from lightning_3d.models import GPT3D, GPTConfig
 
 try:
@@ -167,22 +168,22 @@ def run_parser(description: str, out: str) -> argparse.ArgumentParser:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default=out, help="logs and checkpoints go here")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT/checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in OUT/checkpoints")
     p.add_argument("--devices", type=int, default=torch.cuda.device_count() if gpu else 8, help="processes (GPUs, or CPU processes)")
-    p.add_argument("--precision", default="bf16-mixed" if gpu else "32-true")
-    p.add_argument("--max-steps", type=int, default=2000 if gpu else 240)
+    p.add_argument("--precision", default="bf16-mixed" if gpu else "32-true", help="Lightning's precision flag")
+    p.add_argument("--max-steps", type=int, default=2000 if gpu else 240, help="optimizer steps of the whole run (a resumed one too)")
     p.add_argument("--steps-per-epoch", type=int, default=200 if gpu else 40, help="a checkpoint and a validation after each")
     p.add_argument("--batch-size", type=int, default=64 if gpu else 16, help="global: sequences a step over all replicas")
-    p.add_argument("--seq-len", type=int, default=256 if gpu else 64)
-    p.add_argument("--n-layer", type=int, default=8 if gpu else 2)
-    p.add_argument("--n-head", type=int, default=8 if gpu else 4)
-    p.add_argument("--n-embd", type=int, default=512 if gpu else 64)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=1e-3 if gpu else 3e-3)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--seq-len", type=int, default=256 if gpu else 64, help="tokens (bytes) a sequence")
+    p.add_argument("--n-layer", type=int, default=8 if gpu else 2, help="transformer blocks")
+    p.add_argument("--n-head", type=int, default=8 if gpu else 4, help="attention heads")
+    p.add_argument("--n-embd", type=int, default=512 if gpu else 64, help="model width")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
+    p.add_argument("--lr", type=float, default=1e-3 if gpu else 3e-3, help="peak AdamW learning rate (cosine decay to 10%%)")
+    p.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up")
     p.add_argument("--max-bytes", type=int, default=12_000_000 if gpu else 4_000_000, help="how much of the standard library to read")
-    p.add_argument("--val-windows", type=int, default=64)
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--val-windows", type=int, default=64, help="validation sequences")
+    p.add_argument("--seed", type=int, default=1337, help="seed of the model init and the data order")
     p.add_argument("--async-tp", action="store_true", help="collective matmuls over symmetric memory (GPUs of one NVLink domain)")
     return p
 
@@ -191,17 +192,18 @@ def parse_args() -> argparse.Namespace:
     p = run_parser(__doc__.split("\n\n")[0], "runs/train_gpt")
     p.add_argument("--grid", default="auto", help="'auto' or px,py,pz, e.g. 2,2,2")
     p.add_argument("--data-parallel-size", default="auto", help="'auto' or an int")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1))
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1), help="1: optimizer state sharded over dp (ZeRO-1)")
     p.add_argument("--timeout", type=float, default=300, help="seconds a rank waits for a dead or stalled peer")
-    p.add_argument("--sample-tokens", type=int, default=300)
+    p.add_argument("--sample-tokens", type=int, default=300, help="bytes generated from 'def ' at the end")
     return p.parse_args()
 
 
 def newest_checkpoint(folder: Path) -> Path:
-    found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise FileNotFoundError(f"--resume: no checkpoint in {folder}; run once without --resume first")
-    return found[-1]
+    """The newest complete checkpoint in ``folder`` (one cut short by a crash is passed over)."""
+    found = latest_complete(folder)
+    if found is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint in {folder}; run once without --resume first")
+    return found
 
 
 def main() -> None:

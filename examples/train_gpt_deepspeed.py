@@ -15,22 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import warnings
 from pathlib import Path
 
 import torch
-from train_gpt import (
-    ByteGPT,
-    CSVLogger,
-    ModelCheckpoint,
-    StdlibText,
-    TokensPerSecond,
-    newest_checkpoint,
-    pl,
-    run_parser,
-)
+from train_gpt import ByteGPT, CSVLogger, ModelCheckpoint, StdlibText, TokensPerSecond, pl, run_parser
 
-from deepspeed_3d import (
+try:
+    import deepspeed  # noqa: F401
+except ImportError:
+    sys.exit('this example needs DeepSpeed: pip install -e ".[deepspeed]" in the repository (or pip install deepspeed)')
+
+from deepspeed_3d import (  # noqa: E402
     Tensor3DDeepSpeedStrategy,  # the class of whichever Lightning package is installed
 )
 
@@ -43,6 +40,14 @@ def parse_args() -> argparse.Namespace:
                    "(mixed precision needs ZeRO >= 1; the config has 1)")
     p.add_argument("--grid", default=None, help="px,py,pz: overrides the config's tensor3d grid")
     return p.parse_args()
+
+
+def newest_checkpoint(folder: Path) -> Path:
+    """The newest complete DeepSpeed checkpoint in ``folder``: DeepSpeed writes its ``latest`` file last."""
+    found = sorted((p for p in folder.glob("*.ckpt") if (p / "latest").is_file()), key=lambda p: (p / "latest").stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"--resume: no complete checkpoint in {folder}; run once without --resume first")
+    return found[-1]
 
 
 def main() -> None:

@@ -188,7 +188,21 @@ def test_cube_ranks_share_a_batch_and_dp_ranks_split_it(runs):
     for step, (b0, b1) in enumerate(zip(by_dp[0][0], by_dp[1][0])):
         assert len(b0) == len(b1) == 4 and not set(b0) & set(b1), f"step {step}: dp replicas overlap: {b0} {b1}"
         assert sorted(b0 + b1) == sorted(a[0]["batches"][3 + step]), "the dp replicas must split the global batch"
-    assert all(r["worker_seed_rank"] == r["coords"][0] for r in records(runs, "F")), "workers must be seeded by dp rank"
+
+
+
+def test_dataloader_workers_draw_alike_within_a_cube_and_apart_across_dp(runs):
+    """F loads with one worker process a rank, seeded by seed_everything(workers=True): the ranks of a cube share
+    a batch, so their workers must draw the same numbers; the dp replicas' workers must draw different ones."""
+    f = records(runs, "F")
+    by_dp = {}
+    for r in f:
+        assert len(r["draws"]) == 6 and all(len(d) == 4 for d in r["draws"]), "every step's batch carries its workers' draws"
+        by_dp.setdefault(r["coords"][0], []).append(r["draws"])
+    assert sorted(by_dp) == [0, 1] and all(len(v) == 2 for v in by_dp.values())
+    for dp, draws in by_dp.items():
+        assert draws[0] == draws[1], f"dp replica {dp}: the two ranks of its cube drew differently in their workers"
+    assert not set(map(tuple, by_dp[0][0])) & set(map(tuple, by_dp[1][0])), "the dp replicas' workers drew alike"
 
 
 def test_fit_equals_dense_twin(runs, dense):
@@ -231,6 +245,17 @@ def test_sync_dist_and_collectives_count_each_replica_once(runs):
             assert r["reduce_sum"] == dp and r["all_gather"] == [[float(d)] for d in range(dp)], (name, r)
 
 
+def test_model_summary_counts_the_full_model(runs):
+    """Rank 0 of 2×1×1 holds about half of each weight; Lightning's table must still state the dense model's size."""
+    from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+    table = (runs / "world4.log0").read_text()
+    total = sum(p.numel() for p in DenseGPT(common.config()).parameters())
+    lines = [line.replace("Total params", "").strip(" :") for line in table.splitlines() if "Total params" in line]
+    assert lines, f"no model summary in rank 0's log:\n{table[-2000:]}"
+    assert lines[0] == get_human_readable_count(total).strip(), f"summary says {lines[0]!r} parameters: the dense model has {total}"
+
+
 def test_validate_after_fit_keeps_every_shard(runs):
     recs = [json.loads(f.read_text()) for f in sorted(runs.glob("validate.rank*.json"))]
     assert len(recs) == 4 and all(r["kept_shards"] for r in recs), "validate changed a rank's parameters"
@@ -261,8 +286,12 @@ def test_a_dead_rank_fails_fast_and_resuming_loses_nothing(tmp_path, dense):
     assert "tensor3d: a collective failed" in log and "ckpt_path" in log, log[-3000:]
     took = time.time() - float((tmp_path / "killed_at").read_text())
     assert took < 60, f"the survivors took {took:.0f}s to fail (timeout 60 s)"
+    start = tmp_path / "killed" / "epoch=0.ckpt" / "manifest.json"
+    written = start.stat().st_mtime_ns
     resumed = subprocess.run(kill + ["resume"], env=_env(), capture_output=True, text=True, timeout=180, check=False)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert start.stat().st_mtime_ns == written, "the resumed run rewrote the checkpoint it started from"
+    assert (tmp_path / "killed" / "epoch=2.ckpt").is_dir()
     rec = records(tmp_path, "resumed")[0]
     assert rec["global_step"] == 9
     assert_close(rec["loss"], dense["loss"][3:9], "losses after resuming from the last checkpoint")

@@ -54,13 +54,16 @@ def norm_job(shape, dp):
     clipped = [d.grad for d in dense]
     out["clip_total"] = float(total) / float(ref_total)
     out["clipped"] = max(float((p.grad - (c[get_spec(p).local_slices(grid)] if get_spec(p) else c)).abs().max()) for p, c in zip(params, clipped))
+    below = [p.grad.clone() for p in params]  # now at norm 0.5: a limit above it must leave every gradient as it is
+    clip_grad_norm_(params, 0.75, grid)
+    out["unclipped_below_limit"] = float(not all(torch.equal(p.grad, g) for p, g in zip(params, below)))
     return out
 
 
 @pytest.mark.parametrize("shape, dp", [((2, 2, 2), 1), ((2, 2, 1), 2), ((1, 2, 2), 2)])
 def test_global_norm_counts_each_shard_once(shape, dp):
     for rank, r in enumerate(harness.run(8, norm_job, shape, dp)):
-        bad = {k: v for k, v in r.items() if (abs(v - 1) > 1e-6 if k != "clipped" else v > 1e-6)}
+        bad = {k: v for k, v in r.items() if (v > 1e-6 if k in ("clipped", "unclipped_below_limit") else abs(v - 1) > 1e-6)}
         assert not bad, f"rank {rank} on {shape} dp {dp}: {bad}"
 
 
@@ -85,3 +88,40 @@ def test_fp16_overflow_skips_the_step_on_every_rank():
     assert all(r == (True, 2.0) for r in harness.run(8, overflow_job, True)), "an overflow on one rank must skip the step everywhere"
     unagreed = harness.run(8, overflow_job, False)
     assert unagreed[5][0] and not any(r[0] for i, r in enumerate(unagreed) if i != 5), "control: a plain scaler lets ranks disagree"
+
+
+def zero1_job(shape, dp):
+    """ZeRO-1 over dp: each dp rank keeps the optimizer state of its share of the parameters, and the shares balance."""
+    from lightning_3d.strategy.zero import ShardedOptimizerState
+
+    grid = harness.grid(shape, dp)
+    params, _ = _model_with_grads(grid)
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    zero = ShardedOptimizerState(optimizer, grid)
+    before = [p.detach().clone() for p in params]
+    optimizer.step()
+    zero.remove()
+    mine = [p for p in params if p in optimizer.state]
+    held = torch.tensor([float(sum(p.numel() for p in mine))])
+    loads = [torch.zeros(1) for _ in range(dp)]
+    dist.all_gather(loads, held, group=grid.group("dp"))
+    loads = [float(x) for x in loads]
+    return {
+        "owns_exactly_its_share": all((p in optimizer.state) == zero.holds_state(p) for p in params),
+        "loads": loads,
+        "largest": max(p.numel() for p in params),
+        "total": sum(p.numel() for p in params),
+        "all_moved": all(not torch.equal(b, p.detach()) for b, p in zip(before, params)),  # owners broadcast their update
+    }
+
+
+@pytest.mark.parametrize("shape, dp", [((2, 1, 1), 4), ((1, 2, 2), 2)])
+def test_zero1_shards_optimizer_state_evenly_over_dp(shape, dp):
+    """A partition that put every state on dp rank 0 (or kept it everywhere) fails here: loads must split the total."""
+    for rank, r in enumerate(harness.run(8, zero1_job, shape, dp)):
+        where = f"rank {rank} on {shape} dp {dp}"
+        assert r["owns_exactly_its_share"], f"{where}: holds optimizer state of a parameter another dp rank owns"
+        assert sum(r["loads"]) == r["total"], f"{where}: the dp ranks' states cover {sum(r['loads'])} of {r['total']} elements"
+        assert max(r["loads"]) - min(r["loads"]) <= r["largest"], f"{where}: unbalanced shares {r['loads']}"
+        assert min(r["loads"]) > 0, f"{where}: a dp rank holds no state: {r['loads']}"
+        assert r["all_moved"], f"{where}: a parameter was not updated on every replica"

@@ -31,15 +31,17 @@ import torch
 
 from lightning_3d.grid import Grid, set_grid
 from lightning_3d.strategy import grid_rules
+from lightning_3d.strategy.failures import ReportFailuresOnce, same_on_every_rank
 from lightning_3d.strategy.preemption import StopOnPreemption
 from lightning_3d.strategy.replicas import GridReplicas
+from lightning_3d.strategy.resume import resume_point, skip_message
 
 from ..config import SECTION, current_grid, grid_shape, init_grid_from_config
 from ..engine import check_checkpoint_grid, engine_layout, initialize
 from ..layout import LAYOUT_KEY
 
 
-class Tensor3DDeepSpeedMixin(StopOnPreemption, GridReplicas):
+class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, GridReplicas):
     """DeepSpeed (ZeRO over dp) with 3-D tensor parallelism inside each replica.
 
     Takes every argument of Lightning's ``DeepSpeedStrategy``; the DeepSpeed config (dict or
@@ -75,6 +77,15 @@ class Tensor3DDeepSpeedMixin(StopOnPreemption, GridReplicas):
                 raise ValueError(f'grid={tuple(grid)} disagrees with the config\'s "{SECTION}": {self.config[SECTION]}; give one of them')
             self.config[SECTION] = {**self.config.get(SECTION, {}), "grid": list(shape)}
         self._grid: Grid | None = None
+        self._resumed_from: tuple | None = None
+
+    def set_world_ranks(self) -> None:
+        """Also check the config's grid against the world: in the launching process, before any other starts."""
+        super().set_world_ranks()
+        shape = grid_shape(self.config) if isinstance(self.config, dict) else None
+        if shape is not None:
+            with same_on_every_rank():
+                grid_rules.resolve(shape, "auto", self.world_size, self.num_processes)
 
     def setup_environment(self) -> None:
         """Processes and DeepSpeed's process group (on any accelerator, CPU included), then the grid."""
@@ -96,9 +107,13 @@ class Tensor3DDeepSpeedMixin(StopOnPreemption, GridReplicas):
 
     @contextlib.contextmanager
     def model_sharded_context(self):
-        """No ``deepspeed.zero.Init``: ZeRO-3 partitions the 3-D shards over dp when the engine is made."""
+        """No ``deepspeed.zero.Init``: ZeRO-3 partitions the 3-D shards over dp when the engine is made.
+
+        ``configure_model`` runs alike on every rank: its ``ValueError`` is a ``ConfigurationError``.
+        """
         self._init_config_if_needed()
-        yield
+        with same_on_every_rank():
+            yield
 
     def _device_args(self) -> argparse.Namespace | None:
         """DeepSpeed's ``args``: the CUDA device index, or None on CPU (DeepSpeed then takes LOCAL_RANK)."""
@@ -123,7 +138,11 @@ class Tensor3DDeepSpeedMixin(StopOnPreemption, GridReplicas):
                                          model=model, model_parameters=[], dist_init_required=False)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """DeepSpeed's checkpoint, with the grid layout among the client state."""
+        """DeepSpeed's checkpoint, with the grid layout among the client state (not over the one this run resumed from)."""
+        if resume_point(self.broadcast(str(filepath)), checkpoint) == self._resumed_from:
+            if self.is_global_zero:
+                print(skip_message(filepath), flush=True)
+            return
         super().save_checkpoint({**checkpoint, LAYOUT_KEY: engine_layout(self.deepspeed_engine)}, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -132,6 +151,7 @@ class Tensor3DDeepSpeedMixin(StopOnPreemption, GridReplicas):
             check_checkpoint_grid(self.deepspeed_engine, checkpoint_path)
         client_state = super().load_checkpoint(checkpoint_path, weights_only)
         client_state.pop(LAYOUT_KEY, None)
+        self._resumed_from = resume_point(checkpoint_path, client_state)
         return client_state
 
     @classmethod

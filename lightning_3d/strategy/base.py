@@ -20,8 +20,8 @@ replaces what must change on a grid:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import math
 import os
 from functools import partial
 from pathlib import Path
@@ -33,43 +33,30 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import checkpoint as ckpt
 from ..grid import Grid, init_grid, set_grid
+from ..parallel import set_options
+from .. import arguments, planner
 from ..planner import ModelShape
 from . import grid_rules
+from .failures import ConfigurationError, ReportFailuresOnce, same_on_every_rank
 from .precision import on_grid
 from .preemption import StopOnPreemption
 from .replicas import GridReplicas
+from .resume import resume_point, skip_message
 from .zero import ShardedOptimizerState
 
 PARAM_GROUPS_KEY = "tensor3d_param_groups"
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 FITTING = "fit"  # TrainerFn.FITTING, a str enum in both namespaces
-_COLLECTIVE_FAILURE = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe", "watchdog")
 
 _grids: dict[tuple, Grid] = {}
 
 
-def _grid(shape: tuple[int, int, int], dp: int, device_type: str, timeout: datetime.timedelta, async_tp: bool) -> Grid:
+def _grid(shape: tuple[int, int, int], dp: int, device_type: str, timeout: datetime.timedelta) -> Grid:
     """One grid per shape and world group: a second fit/validate in the same processes reuses its groups."""
-    key = (shape, dp, device_type, timeout, async_tp, id(dist.group.WORLD))
+    key = (shape, dp, device_type, timeout, id(dist.group.WORLD))
     if key not in _grids:
-        _grids[key] = init_grid(shape, dp, device_type=device_type, timeout=timeout, async_tp=async_tp)
+        _grids[key] = init_grid(shape, dp, device_type=device_type, timeout=timeout)
     return _grids[key]
-
-
-def as_timeout(timeout: datetime.timedelta | float) -> datetime.timedelta:
-    """``timeout`` (a timedelta or seconds) as a timedelta; ``ValueError`` unless positive and finite."""
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-        raise ValueError(f"timeout must be a positive, finite number of seconds or timedelta (how long a rank waits for a "
-                         f"stalled peer), got {timeout!r}; e.g. timeout=600 or datetime.timedelta(minutes=10)")
-    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=seconds)
-
-
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is a bool; ``ValueError`` naming ``name`` otherwise (``"no"`` would be truthy)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def unwrap(optimizer):
@@ -77,7 +64,7 @@ def unwrap(optimizer):
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-class Tensor3DMixin(StopOnPreemption, GridReplicas):
+class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, GridReplicas):
     """3-D tensor parallelism (Bian et al. 2021) on a ``dp × px × py × pz`` grid of processes.
 
     The LightningModule builds its 3-D layers (``Linear3D``, ...) in ``configure_model()``;
@@ -98,7 +85,7 @@ class Tensor3DMixin(StopOnPreemption, GridReplicas):
         model_shape: ``planner.ModelShape(hidden, heads, seq, batch, layers)`` of the model
             and global batch, for ``grid="auto"``.
         async_tp: run the activation gathers and scatters of the 3-D products as collective
-            matmuls over symmetric memory (``init_grid(async_tp=True)``; GPUs of one NVLink
+            matmuls over symmetric memory (the model's ``RuntimeOptions.async_tp``, set at setup; GPUs of one NVLink
             domain); see ``docs/benchmarks.md`` for where it pays.
         checkpoint_on_preemption: where to save a checkpoint when any rank receives SIGTERM or
             SIGINT during training; every rank then stops at the same step and exits with status
@@ -109,8 +96,9 @@ class Tensor3DMixin(StopOnPreemption, GridReplicas):
             ``async_tp``; at setup, numbers that do not multiply to the world size.
     """
 
-    # Set by each namespace's class: its grid-aware precision plugins and its logging function.
+    # Set by each namespace's class: its grid-aware precision plugins and summary callback, its helpers.
     grid_precisions: ClassVar[dict[type, type]]
+    summary_callbacks: ClassVar[dict[type, type]]
     info: ClassVar[Callable[[str], None]]
     worker_init_function: ClassVar[Callable[..., None]]
 
@@ -132,17 +120,18 @@ class Tensor3DMixin(StopOnPreemption, GridReplicas):
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-                         process_group_backend=process_group_backend, timeout=as_timeout(timeout), start_method="popen")
+                         process_group_backend=process_group_backend, timeout=arguments.timeout(timeout), start_method="popen")
         self._grid_arg = grid_rules.check_grid_arg(grid)
         self._dp_arg = grid_rules.check_dp_arg(data_parallel_size)
         self._model_shape = model_shape
-        self.async_tp = check_bool("async_tp", async_tp)
+        self.async_tp = arguments.flag(async_tp, "async_tp")
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
             raise ValueError(f"zero_stage must be 0 or 1 (optimizer state sharded over dp), got {zero_stage!r}")
         self.zero_stage = zero_stage
         self.checkpoint_on_preemption = None if checkpoint_on_preemption is None else Path(checkpoint_on_preemption)
         self._grid: Grid | None = None
         self._zero: dict[int, ShardedOptimizerState] = {}
+        self._resumed_from: tuple | None = None
 
     # ----- precision: Lightning's plugin, as its grid-aware subclass -----
 
@@ -158,17 +147,47 @@ class Tensor3DMixin(StopOnPreemption, GridReplicas):
 
     # ----- the grid -----
 
+    def set_world_ranks(self) -> None:
+        """Also check the grid against the world (and ``model_shape``): in the launching process, before any other starts."""
+        super().set_world_ranks()
+        self._resolve_grid()
+
+    def _resolve_grid(self) -> tuple[tuple[int, int, int], int]:
+        """``(px, py, pz)`` and dp for this world; :class:`ConfigurationError` naming the fix when they cannot be."""
+        with same_on_every_rank():
+            shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape,
+                                           self.async_tp)
+        why = None if self._model_shape is None else planner.grid_error(self._model_shape, shape, dp)
+        if why is not None:
+            raise ConfigurationError(f"model_shape={self._model_shape} does not split on the {'×'.join(map(str, shape))} grid "
+                                     f"with data_parallel_size={dp}: {why} != 0; pick a grid whose axes divide it, "
+                                     f"or grid='auto' to let the cost model choose")
+        return shape, dp
+
+    @contextlib.contextmanager
+    def model_sharded_context(self):
+        """``configure_model`` runs alike on every rank: its ``ValueError`` is a :class:`ConfigurationError`."""
+        with super().model_sharded_context(), same_on_every_rank():
+            yield
+
     def setup_environment(self) -> None:
         super().setup_environment()
-        shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape,
-                                       self.async_tp)
-        self._grid = _grid(shape, dp, self.root_device.type, self._timeout, self.async_tp)
+        shape, dp = self._resolve_grid()
+        self._grid = _grid(shape, dp, self.root_device.type, self._timeout)
         set_grid(self._grid)
         self.lightning_module.grid = self._grid
         self.lightning_module._device_mesh = self._grid.mesh
+        trainer = self.lightning_module.trainer
+        trainer.callbacks = [self._summarising_globally(callback) for callback in trainer.callbacks]
         self.precision_plugin.grid = self._grid
         px, py, pz = shape
-        self.info(f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, async_tp={self.async_tp}")
+        self.info(f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, async_tp={self.async_tp}"
+                  f", across nodes: {'+'.join(self._grid.axes_across_nodes) or 'nothing'}")
+
+    def _summarising_globally(self, callback):
+        """Lightning's ``ModelSummary`` callback as the namespace's subclass that counts the full model (same settings)."""
+        cls = self.summary_callbacks.get(type(callback))
+        return callback if cls is None else cls(max_depth=callback._max_depth, **callback._summarize_kwargs)
 
     def process_dataloader(self, dataloader: object) -> object:
         """Seed dataloader workers by dp rank, so the cube ranks that share a batch draw alike."""
@@ -187,6 +206,8 @@ class Tensor3DMixin(StopOnPreemption, GridReplicas):
         self.accelerator.setup(trainer)
         if self._layer_sync is not None:
             raise ValueError("sync_batchnorm is not supported by the tensor3d strategy; use LayerNorm3D / RMSNorm3D")
+        if self.async_tp:
+            set_options(self.lightning_module, async_tp=True)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == FITTING:
@@ -232,6 +253,9 @@ class Tensor3DMixin(StopOnPreemption, GridReplicas):
         if storage_options is not None:
             raise TypeError("Tensor3DStrategy.save_checkpoint does not take storage_options: it writes with torch.distributed.checkpoint")
         path = Path(self.broadcast(str(filepath)))
+        if resume_point(path, checkpoint) == self._resumed_from:
+            self.info(skip_message(path))
+            return
         tensors = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
         groups = []
         for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
@@ -252,6 +276,7 @@ class Tensor3DMixin(StopOnPreemption, GridReplicas):
                 ckpt.load_optimizer_(optimizer, i, names, self.grid, path, saved, self._holds_state(optimizer))
             # RNG now: the fit loop draws (dataloader seeds) before on_train_start; sanity checks run isolated
             ckpt.set_rng_state(ckpt.load_rng_state(path, self.grid))
+        self._resumed_from = resume_point(path, meta)
         return meta
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
@@ -259,19 +284,6 @@ class Tensor3DMixin(StopOnPreemption, GridReplicas):
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         """Done by :meth:`load_checkpoint`."""
-
-    # ----- failures -----
-
-    def on_exception(self, exception: BaseException) -> None:
-        """Say plainly when a collective failed: a peer died or stalled, and how to go on."""
-        text = str(exception)
-        if isinstance(exception, (RuntimeError, dist.DistBackendError)) and any(w in text.lower() for w in _COLLECTIVE_FAILURE):
-            px, py, pz = self._grid.shape if self._grid is not None else ("?", "?", "?")
-            message = (f"tensor3d: a collective failed on rank {self.global_rank} of {self.world_size} "
-                       f"(grid {px}×{py}×{pz}, timeout {self._timeout.total_seconds():.0f} s): another rank died or stalled. "
-                       f"The run cannot go on; restart it with Trainer.fit(..., ckpt_path=<last checkpoint>). Cause: {text}")
-            exception.args = (message, *exception.args[1:])
-        super().on_exception(exception)
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

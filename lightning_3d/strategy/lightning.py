@@ -1,12 +1,15 @@
 """``Tensor3DStrategy`` for ``lightning.pytorch`` (``import lightning as L``); registered as ``"tensor3d"`` on import."""
 
 from lightning.fabric.utilities.seed import pl_worker_init_function
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.plugins import precision as lp
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .base import Tensor3DMixin
 from .precision import AgreedOverflow, GlobalNormClipping
+from .summary import GlobalCounts, GlobalSummaryCallback
 
 
 class GridPrecision(GlobalNormClipping, lp.Precision):
@@ -25,10 +28,27 @@ class GridMixedPrecision(GlobalNormClipping, AgreedOverflow, lp.MixedPrecision):
     """``MixedPrecision`` (16-mixed, bf16-mixed) clipping by the global 3-D norm, fp16 overflow agreed by every rank."""
 
 
+class GridSummary(GlobalCounts, Summary):
+    """The model summary with the full model's parameter counts."""
+
+
+class GridModelSummary(GlobalSummaryCallback, ModelSummary):
+    """The ``ModelSummary`` callback, summarising with :class:`GridSummary`."""
+
+    summary_class = GridSummary
+
+
+class GridRichModelSummary(GlobalSummaryCallback, RichModelSummary):
+    """The ``RichModelSummary`` callback, summarising with :class:`GridSummary`."""
+
+    summary_class = GridSummary
+
+
 class Tensor3DStrategy(Tensor3DMixin, DDPStrategy):
     __doc__ = Tensor3DMixin.__doc__
     grid_precisions = {lp.Precision: GridPrecision, lp.DoublePrecision: GridDoublePrecision,
                        lp.HalfPrecision: GridHalfPrecision, lp.MixedPrecision: GridMixedPrecision}
+    summary_callbacks = {ModelSummary: GridModelSummary, RichModelSummary: GridRichModelSummary}
     info = staticmethod(rank_zero_info)
     worker_init_function = staticmethod(pl_worker_init_function)
 

@@ -49,6 +49,19 @@ class Tokens(Dataset):
         return i, self.data[i]
 
 
+class WithDraws(Dataset):
+    """``(index, tokens, draw)``: ``draw`` is ``torch.rand(())`` taken in the dataloader worker that loads the sample."""
+
+    def __init__(self, data: Dataset):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return (*self.data[i], torch.rand(()))
+
+
 def optimizers(params):
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + 0.2 * step))
@@ -59,11 +72,14 @@ def module_class(namespace: str):
     pl = importlib.import_module(namespace)
 
     class LitGPT(pl.LightningModule):
-        def __init__(self, dropout: float = 0.0):
+        """``workers > 0``: the training data is loaded by that many worker processes, which draw a random number a sample."""
+
+        def __init__(self, dropout: float = 0.0, workers: int = 0):
             super().__init__()
             self.save_hyperparameters()
             self.model = None
-            self.record = {"loss": [], "grad_norm": [], "batches": [], "seqs": [], "all_gather": None, "reduce_sum": None}
+            self.record = {"loss": [], "grad_norm": [], "batches": [], "seqs": [], "all_gather": None, "reduce_sum": None,
+                           "draws": []}
 
         def configure_model(self):
             if self.model is None:
@@ -71,10 +87,13 @@ def module_class(namespace: str):
                 self.model = GPT3D(config(self.hparams.dropout))
 
         def train_dataloader(self):
-            return DataLoader(Tokens(), batch_size=GLOBAL_BATCH // self.grid.data_parallel_size)
+            workers = self.hparams.workers
+            return DataLoader(WithDraws(Tokens()) if workers else Tokens(), batch_size=GLOBAL_BATCH // self.grid.data_parallel_size,
+                              num_workers=workers)
 
         def training_step(self, batch, batch_idx):
-            index, tokens = batch
+            index, tokens, *draws = batch
+            self.record["draws"] += [d.tolist() for d in draws]
             loss = self.model(tokens[:, :-1], tokens[:, 1:])
             self.record["batches"].append(index.tolist())
             self.record["loss"].append(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean").item())
@@ -102,23 +121,26 @@ def module_class(namespace: str):
 
 
 def fit(namespace: str, out: Path, name: str, strategy, epochs: int, devices: int, dropout: float = 0.0, ckpt_path=None,
-        callbacks=(), precision="32-true"):
-    """One ``Trainer.fit`` with a checkpoint at every epoch end under ``out/name``; writes ``out/name.rank<r>.json``."""
+        callbacks=(), precision="32-true", summary=False, ckpt_dir=None, workers=0):
+    """One ``Trainer.fit`` with a checkpoint at every epoch end under ``ckpt_dir`` (default ``out/name``); writes
+    ``out/name.rank<r>.json``.
+
+    ``summary``: Lightning's model summary table, printed by rank 0. ``workers``: dataloader worker processes.
+    """
     pl = importlib.import_module(namespace)
     save_every_epoch = importlib.import_module(f"{namespace}.callbacks").ModelCheckpoint(
-        dirpath=out / name, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+        dirpath=ckpt_dir or out / name, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_epochs=epochs, gradient_clip_val=CLIP,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        logger=False, enable_progress_bar=False, enable_model_summary=summary, default_root_dir=out,
         callbacks=[save_every_epoch, *callbacks],
     )
-    module = module_class(namespace)(dropout)
+    module = module_class(namespace)(dropout, workers)
     trainer.fit(module, ckpt_path=ckpt_path)
     strategy = trainer.strategy
     record = {**module.record, "grid": list(strategy.grid.shape), "dp": strategy.grid.data_parallel_size,
               "coords": list(strategy.grid.coords), "strategy": f"{type(strategy).__module__}.{type(strategy).__name__}",
-              "global_step": trainer.global_step,
-              "worker_seed_rank": getattr(trainer.train_dataloader.worker_init_fn, "keywords", {}).get("rank")}
+              "global_step": trainer.global_step}
     (out / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
     return trainer, module
 

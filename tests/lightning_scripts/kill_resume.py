@@ -3,7 +3,8 @@
 ``python kill_resume.py OUT kill``: 2×1×1 (auto for 2 devices), 3 epochs of 3 steps with a checkpoint
 at every epoch end; rank 1 SIGKILLs itself before step 5 (noting the time in ``OUT/killed_at``). The
 survivor must fail within the strategy's timeout (60 s) with tensor3d's message. ``python kill_resume.py OUT resume``: the same run,
-resumed from the newest checkpoint, to the end; its losses land in ``OUT/resumed.rank<r>.json``.
+resumed from the newest checkpoint, to the end, saving into the same folder; its losses land in
+``OUT/resumed.rank<r>.json``.
 """
 
 import os
@@ -45,4 +46,4 @@ if __name__ == "__main__":
         common.fit("lightning.pytorch", out, "killed", strategy, epochs=3, devices=2, callbacks=[KillRank(out)])
     else:
         newest = max((out / "killed").glob("epoch=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
-        common.fit("lightning.pytorch", out, "resumed", strategy, epochs=3, devices=2, ckpt_path=newest)
+        common.fit("lightning.pytorch", out, "resumed", strategy, epochs=3, devices=2, ckpt_path=newest, ckpt_dir=out / "killed")

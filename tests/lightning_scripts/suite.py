@@ -7,7 +7,7 @@ serves several Trainers. Each run writes ``OUT/<run>.rank<r>.json``; test_strate
 - ``world8`` (lightning.pytorch): A ``strategy="tensor3d"`` by name (auto 2×2×2), 2 epochs;
   B 2×2×1 dp 2 with ZeRO-1 resumed from A's epoch-0 checkpoint; C 2×2×2 with dropout, 2 epochs;
   D resumed from C's epoch-0 checkpoint.
-- ``world4`` (lightning.pytorch): F 2×1×1 dp 2 (dataloader workers seeded), then ``validate``;
+- ``world4`` (lightning.pytorch): F 2×1×1 dp 2 (one dataloader worker a rank, model summary printed), then ``validate``;
   G the same with ZeRO-1;
   H the same in bf16-mixed, 1 epoch.
 - ``world1`` (pytorch_lightning): LightningCLI parses the strategy by name and by class_path;
@@ -45,7 +45,8 @@ def world4(out: Path) -> None:
     from lightning_3d import Tensor3DStrategy
 
     pl.seed_everything(common.SEED, workers=True)  # workers seeded by dp rank: the same within a cube
-    trainer, module = common.fit("lightning.pytorch", out, "F", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2), epochs=2, devices=4)
+    trainer, module = common.fit("lightning.pytorch", out, "F", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2), epochs=2, devices=4,
+                                 summary=True, workers=1)
     validated = common.validate_keeps_shards(trainer, module)
     (out / f"validate.rank{trainer.global_rank}.json").write_text(json.dumps(validated))
     common.fit("lightning.pytorch", out, "G", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2, zero_stage=1), epochs=2, devices=4)

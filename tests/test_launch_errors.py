@@ -1,0 +1,63 @@
+"""Configuration errors: refused at construction or in the launching process, before any other process starts;
+one raised inside the world is printed once (rank 0's traceback), the other ranks saying one line each."""
+
+import datetime
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
+
+from test_strategy import SCRIPTS, _env
+
+from lightning_3d import Tensor3DStrategy
+from lightning_3d.planner import ModelShape
+from lightning_3d.strategy.failures import ConfigurationError
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"async_tp": "no"}, "async_tp must be True or False, got 'no'"),
+    ({"async_tp": 1}, "async_tp must be True or False, got 1"),
+    ({"timeout": datetime.timedelta(0)}, "timeout must be positive, got datetime.timedelta(0)"),
+    ({"timeout": float("inf")}, "timeout must be a positive, finite number of seconds, got inf"),
+    ({"timeout": -5}, "got -5"),
+    ({"grid": (2.7, 1, 1)}, "(2.7, 1, 1)"),
+    ({"grid": (2, 0, 1)}, "(2, 0, 1)"),
+    ({"grid": "221"}, "'221'"),
+    ({"zero_stage": True}, "zero_stage must be 0 or 1"),
+])
+def test_constructor_refuses_wrong_types_and_values(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        Tensor3DStrategy(**kwargs)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"grid": (3, 1, 1)}, "the world size 4 is not divisible by px·py·pz = 3"),
+    ({"grid": (2, 2, 1), "data_parallel_size": 2}, "world size 4 != data_parallel_size·px·py·pz = 2·4 = 8"),
+    ({"grid": (2, 2, 1), "model_shape": ModelShape(hidden=30, heads=4, seq=8, batch=4, layers=1)},
+     "does not split on the 2×2×1 grid with data_parallel_size=1: hidden % px·py != 0"),
+])
+def test_grid_against_devices_is_refused_in_the_launching_process(kwargs, message):
+    """``Trainer(...)`` raises at once, in this process: Lightning starts no other process."""
+    import lightning.pytorch as pl
+
+    with pytest.raises(ConfigurationError) as error:
+        pl.Trainer(accelerator="cpu", devices=4, strategy=Tensor3DStrategy(**kwargs), logger=False)
+    assert message in str(error.value)
+
+
+def test_an_error_inside_the_world_is_printed_once():
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, str(SCRIPTS / "bad_config.py")], env=_env(), capture_output=True, text=True, timeout=180)
+    took = time.monotonic() - start
+    log = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert log.count("Traceback (most recent call last)") == 1, log[-4000:]
+    assert log.count("ConfigurationError") >= 4 and "rank 0 reports it in full" in log, log[-4000:]
+    lines = [line for line in log.splitlines() if line.startswith("tensor3d: rank ")]
+    assert sorted(line.split(":")[1] for line in lines) == [" rank 1", " rank 2", " rank 3"], lines
+    assert took < 60, f"the error took {took:.0f} s to surface"
