@@ -80,10 +80,10 @@ INPUTS = {"llama_tied": (True, False), "llama_untied": (False, True), "gpt2": (T
           "qwen2": (False, True)}
 
 
-def perturbed(make, seed: int) -> nn.Module:
-    """The model in float64 with every parameter moved off its init (no unit norms, no zero biases)."""
+def perturbed(make, seed: int, dtype: torch.dtype = F64) -> nn.Module:
+    """The model in ``dtype`` with every parameter moved off its init (no unit norms, no zero biases)."""
     torch.manual_seed(seed)
-    model = make().to(F64)
+    model = make().to(dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -102,9 +102,10 @@ def float64_reference(model: nn.Module) -> nn.Module:
     return ref
 
 
-def batch(grid, seed: int, padded: bool, positions: bool) -> dict:
-    """Fresh ids per dp replica, labels with ignored tokens, optionally left and right padding and shuffled positions."""
-    torch.manual_seed(seed_for(grid, seed))
+def batch(grid, seed: int, padded: bool, positions: bool, replica: int | None = None) -> dict:
+    """Fresh ids per dp replica (this rank's, or ``replica``'s), labels with ignored tokens, optionally left and
+    right padding and shuffled positions."""
+    torch.manual_seed(seed_for(grid, seed) if replica is None else seed * 1009 + replica)
     ids = torch.randint(0, V, (B, S))
     labels = ids.clone()
     labels[0, 2] = labels[3, 5] = -100
@@ -156,8 +157,10 @@ def equivalence_job(grid) -> dict:
     return {k: e for name in SWEPT for k, e in equivalence(grid, name).items()}
 
 
-# Tolerances by the error name's tag: float64 everywhere, against transformers' float32 computations, bf16 autocast.
-TOLERANCES = {"f32_": HF_F32_TOL, "bf16_": 3e-2}
+# Tolerances by the error name's tag (the first that matches): float64 untagged; a float32 model's gradients
+# (through its float32 attention, norms and loss); a float64 model's results against transformers' float32
+# computations; bf16 autocast.
+TOLERANCES = {"ds_f32_": 1e-5, "f32_": HF_F32_TOL, "bf16_": 3e-2}
 
 
 def assert_within_tolerances(results: list) -> None:
@@ -257,6 +260,43 @@ def bf16_step(grid) -> dict:
     loss.backward()
     grads_ok = all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() and p.grad.abs().sum() > 0 for p in model.parameters())
     return {"bf16_loss": rel(loss.detach(), loss32), "grads_float32_finite_nonzero": float(not grads_ok)}
+
+
+def deepspeed_step(grid) -> dict:
+    """One step through ``deepspeed_3d.initialize`` (ZeRO-1 over dp, clipping by the global norm): the loss, and
+    each weight's update, equal the dense model's clipped SGD step on the same replica batches (float32: Llama's
+    norms and transformers' loss compute in float32 on both sides, so the tolerance is float32's)."""
+    import deepspeed_3d
+
+    from lightning_3d.hf import hf_state_dict
+    from lightning_3d.parallel import parallelize
+
+    os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))  # DeepSpeed reads it; harness workers are not launched
+    dp, lr, clip = grid.data_parallel_size, 0.5, 1.0
+    dense = perturbed(MODELS["llama_untied"], 8, torch.float32)
+    before = {k: t.clone() for k, t in dense.state_dict().items()}
+    model = parallelize(copy.deepcopy(dense), grid=grid)
+    config = {"train_batch_size": B * dp, "train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "gradient_clipping": clip,
+              "tensor3d": {"grid": list(grid.shape)}}
+    engine, *_ = deepspeed_3d.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
+    loss = engine(**batch(grid, 9, True, False)).loss
+    engine.backward(loss)
+    engine.step()
+    losses = [dense(**batch(grid, 9, True, False, replica=d), use_cache=False).loss for d in range(dp)]
+    torch.stack(losses).mean().backward()
+    assert torch.nn.utils.clip_grad_norm_(dense.parameters(), clip) > clip  # the clipping reads the global norm
+    with torch.no_grad():
+        for p in dense.parameters():
+            p -= lr * p.grad
+    trained = hf_state_dict(engine.module)
+    errs = {"ds_f32_loss": rel(loss.detach(), losses[grid.coord("dp")].detach())}
+    errs.update({f"ds_f32_update_{k}": rel(trained[k] - before[k], t - before[k]) for k, t in dense.state_dict().items()})
+    return errs
+
+
+def test_deepspeed_initialize_step():
+    assert_within_tolerances(harness.run(8, on_grids, [(1, 2, 2)], deepspeed_step))
 
 
 def export_and_bf16_job(grid, folder: str) -> dict:
