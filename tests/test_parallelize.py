@@ -22,6 +22,7 @@ from lightning_3d.parallel import (
     PositionEmbedding,
     VocabEmbedding,
     dense_state_dict,
+    options_of,
     parallelize,
     set_options,
 )
@@ -168,6 +169,8 @@ def errors_job(grid):
     msgs["unchanged"] = not any(isinstance(m, Module3D) for m in model.modules())
     parallelize(model, plan(), grid=grid)
     msgs["twice"] = _error(lambda: parallelize(model, plan(), grid=grid))
+    msgs["option"] = _error(lambda: set_options(model, asynctp=True))
+    msgs["shared"] = all(m.options is options_of(model) for m in model.modules() if isinstance(m, Module3D))
     return msgs
 
 
@@ -180,6 +183,8 @@ def test_unmapped_modules_and_bad_plans_are_refused():
     assert msgs["split"].startswith("blocks.0.fc1: ") and "dim 0 of size 12 is split over py=8·px=1 = 8 ranks" in msgs["split"], msgs["split"]
     assert msgs["unchanged"] is True
     assert "already holds 3-D layers" in msgs["twice"]
+    assert "unknown RuntimeOptions fields ['asynctp']" in msgs["option"], msgs["option"]
+    assert msgs["shared"] is True
 
 
 def test_core_imports_without_transformers():
