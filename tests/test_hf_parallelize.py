@@ -2,7 +2,8 @@
 
 One world of 8 sweeps the grids 1×1×1, 2×1×1, 1×2×1, 1×2×2, 2×2×1 (dp 2) and 2×2×2 (the rest of
 the world is dp, each replica on its own batch): tiny random ``LlamaForCausalLM`` (GQA: 4 heads,
-2 key/value heads; tied head with a padding mask, untied with per-sequence position ids) and
+2 key/value heads; tied head with a padding mask, untied with per-sequence position ids and a
+``pad_token_id``, hence an embedding ``padding_idx``) and
 ``GPT2LMHeadModel`` (padding mask and per-sequence position ids), in float64.
 
 The reference is the unmodified model, with two float64 adjustments that leave the model the same:
@@ -72,7 +73,8 @@ def qwen2(**kw):
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, **kw))
 
 
-MODELS = {"llama_tied": lambda: llama(True), "llama_untied": lambda: llama(False), "gpt2": gpt2,
+PAD = 0  # the untied Llama's pad_token_id: its embedding's padding_idx
+MODELS = {"llama_tied": lambda: llama(True), "llama_untied": lambda: llama(False, pad_token_id=PAD), "gpt2": gpt2,
           "mistral": lambda: mistral(sliding_window=None), "qwen2": lambda: qwen2()}
 SWEPT, LLAMA_LIKE = ("llama_tied", "llama_untied", "gpt2"), ("mistral", "qwen2")
 # (padding mask, per-sequence position ids) of each model's batch
@@ -107,6 +109,7 @@ def batch(grid, seed: int, padded: bool, positions: bool, replica: int | None = 
     right padding and shuffled positions."""
     torch.manual_seed(seed_for(grid, seed) if replica is None else seed * 1009 + replica)
     ids = torch.randint(0, V, (B, S))
+    ids[1, 4] = PAD  # looked up, passing no gradient to its row where the embedding has padding_idx = PAD
     labels = ids.clone()
     labels[0, 2] = labels[3, 5] = -100
     call = {"input_ids": ids, "labels": labels}
