@@ -114,3 +114,24 @@ def test_predictions_within_15_percent_of_every_measured_point():
     assert len(points) >= 240 and sum("[async-tp]" in p["case"] for p in points) >= 36
     assert max(abs(p["step_err"]) for p in points) < 0.15
     assert max(abs(p["mem_err"]) for p in points) < 0.15
+
+
+@pytest.mark.parametrize("nodes, hidden, heads, layers, batch, auto, across, with_async_tp", [
+    (2, 2048, 16, 24, 16, ((8, 1, 1), 2), ("dp",), ((8, 1, 1), 2)),
+    (2, 4096, 32, 32, 8, ((2, 4, 2), 1), ("x",), ((1, 4, 2), 2)),
+    (2, 8192, 64, 48, 4, ((1, 4, 4), 1), ("y",), None),
+    (16, 2048, 16, 24, 128, ((8, 1, 1), 16), ("dp",), ((8, 1, 1), 16)),
+    (16, 4096, 32, 32, 64, ((4, 4, 2), 4), ("dp", "x"), ((1, 4, 2), 16)),
+    (16, 8192, 64, 48, 32, ((4, 4, 4), 2), ("dp", "x", "y"), None),
+])
+def test_auto_grids_on_nodes_of_8_as_docs_cluster_states(nodes, hidden, heads, layers, batch, auto, across, with_async_tp):
+    from lightning_3d.strategy import grid_rules
+
+    shape, world = planner.ModelShape(hidden, heads, 2048, batch, layers), 8 * nodes
+    assert grid_rules.resolve("auto", "auto", world, 8, shape) == auto
+    assert planner.node_axes(*auto, replace(planner.DEFAULT_MACHINE, gpus_per_node=8)) == across
+    if with_async_tp is None:
+        with pytest.raises(ValueError, match="no px·py·pz grid"):
+            grid_rules.resolve("auto", "auto", world, 8, shape, async_tp=True)
+    else:
+        assert grid_rules.resolve("auto", "auto", world, 8, shape, async_tp=True) == with_async_tp
