@@ -220,11 +220,12 @@ def test_refusals_and_llama_like_models():
 
 def export(grid, folder: str) -> dict:
     """``save_pretrained`` on the grid, and a sharded checkpoint converted by ``checkpoint_to_pretrained`` in one
-    process: ``from_pretrained`` of either folder holds the model's tensors and gives its logits."""
+    process: transformers' ``from_pretrained`` of either folder holds the model's tensors and gives its logits,
+    and ``lightning_3d.hf.from_pretrained`` reads the folder back onto the grid as the same model."""
     from transformers import AutoModelForCausalLM
 
     from lightning_3d import checkpoint as ckpt
-    from lightning_3d.hf import checkpoint_to_pretrained, hf_state_dict, save_pretrained
+    from lightning_3d.hf import checkpoint_to_pretrained, from_pretrained, hf_state_dict, save_pretrained
     from lightning_3d.parallel import parallelize
 
     errs = {}
@@ -236,6 +237,10 @@ def export(grid, folder: str) -> dict:
         with torch.no_grad():
             logits = gather_activation(model(ids).logits, "y", grid)[..., :V]
         state = hf_state_dict(model)
+        streamed = from_pretrained(f"{folder}/{name}", grid=grid, dtype=F64)  # back onto the grid, a tensor at a time
+        with torch.no_grad():
+            errs[f"{name}_from_pretrained_logits"] = rel(gather_activation(streamed(ids).logits, "y", grid)[..., :V], logits)
+        errs.update({f"{name}_from_pretrained_{k}": rel(t, state[k]) for k, t in hf_state_dict(streamed).items()})
         if torch.distributed.get_rank() == 0:
             checkpoint_to_pretrained(f"{folder}/{name}.ckpt", f"{folder}/{name}_from_ckpt")
             for route in ("", "_from_ckpt"):

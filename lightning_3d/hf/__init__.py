@@ -2,13 +2,15 @@
 
 ``lightning_3d.parallelize(model)`` finds the plan of a ``GPT2LMHeadModel``, ``LlamaForCausalLM``,
 ``MistralForCausalLM`` or ``Qwen2ForCausalLM`` by its class name (:mod:`.plans`); the parallelized
-model keeps its call interface (:mod:`.interface`); :func:`save_pretrained` writes it back as a
-folder ``from_pretrained`` loads. ``transformers`` is imported only when such a model runs or is saved.
+model keeps its call interface (:mod:`.interface`); :func:`from_pretrained` reads a folder onto the
+grid one tensor at a time (:mod:`.load`); :func:`save_pretrained` writes the model back as a folder
+``transformers``' ``from_pretrained`` loads. ``transformers`` is imported only when such a model runs or is saved.
 """
 
 from .export import checkpoint_to_pretrained, hf_state_dict, save_pretrained
+from .load import from_pretrained
 from .plans import register_builtin_plans
 
 register_builtin_plans()
 
-__all__ = ["checkpoint_to_pretrained", "hf_state_dict", "save_pretrained"]
+__all__ = ["checkpoint_to_pretrained", "from_pretrained", "hf_state_dict", "save_pretrained"]
