@@ -307,11 +307,33 @@ def test_deepspeed_initialize_step():
     assert_within_tolerances(harness.run(8, on_grids, [(1, 2, 2)], deepspeed_step))
 
 
+def checkpointing(grid) -> dict:
+    """With activation checkpointing on (the plan's decoder layers recomputed), the same loss and gradients."""
+    from lightning_3d.parallel import parallelize, set_options
+
+    model = parallelize(perturbed(MODELS["gpt2"], 10), grid=grid)
+    call = batch(grid, 11, True, True)
+    calls = []
+    model.transformer.h[0].ln_1.register_forward_pre_hook(lambda *_: calls.append(1))  # inside the unit: run again in recomputation
+    runs = []
+    for on in (False, True):
+        set_options(model, activation_checkpointing=on)
+        model.zero_grad()
+        calls.clear()
+        loss = model(**call).loss
+        loss.backward()
+        runs.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+        runs[-1].append(len(calls))
+    *tensors, counts = zip(*runs)
+    errs = {f"checkpointing_{i}": rel(b, a) for i, (a, b) in enumerate(tensors) if a.norm() > 0}
+    return {**errs, "checkpointing_recomputed": float(counts != (1, 2))}
+
+
 def export_and_bf16_job(grid, folder: str) -> dict:
-    return {**export(grid, folder), **bf16_step(grid)}
+    return {**export(grid, folder), **bf16_step(grid), **checkpointing(grid)}
 
 
-def test_save_pretrained_and_bf16_autocast(tmp_path):
+def test_save_pretrained_bf16_autocast_and_checkpointing(tmp_path):
     assert_within_tolerances(harness.run(8, on_grids, [(2, 2, 2)], export_and_bf16_job, str(tmp_path)))
 
 
