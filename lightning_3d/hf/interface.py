@@ -7,13 +7,15 @@
 - Attention runs on y-layout rows, so a forward pre-hook on the model turns a padding mask (or
   per-sequence position ids) into the 4-D mask of this rank's y rows, built by transformers'
   own ``create_causal_mask`` for the configured attention implementation (padding and packed
-  sequences included); the model passes a 4-D mask through unchanged. Without either, the model builds none (causal SDPA).
+  sequences included); the model passes a 4-D mask through unchanged. Without either, the model
+  builds none (causal SDPA).
 - Per-sequence ``position_ids`` ``[b, s]`` are cut to the rows they are used on: the y rows for
   RoPE (Llama), the z rows for a position table added to the embedding (GPT-2). With them, the
   4-D mask is always built here, so the model never reads them against its z-layout batch.
 - ``labels`` give the model's loss through :func:`causal_lm_loss_3d`: transformers' label shift,
   ``-100`` ignored, the vocabulary-parallel cross-entropy; the same scalar on every cube rank.
-- ``logits`` in the output are this rank's y-layout block ``[b/(px·pz), s, V'/py]``.
+- ``logits`` in the output are this rank's y-layout block ``[b/(px·pz), s, V'/py]`` (hidden
+  states and attentions, when asked for, are this rank's blocks too).
 
 Refused with a ``ValueError``: ``inputs_embeds``, a KV cache (``cache``/``past_key_values``,
 ``use_cache=True``); ``use_cache`` left unset is passed as False (the config is not changed).
