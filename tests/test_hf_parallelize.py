@@ -375,11 +375,14 @@ def run_ranks(script: Path, world: int, *args: str, timeout: float = 240) -> Non
 
 
 def test_lightning_adamw_steps_equal_dense(tmp_path):
-    """1×2×1 with dp 2: each step's loss (dp mean) and the saved weights after 3 steps equal the dense model's
-    trained on the same two replica batches per step (the mean of the replicas' losses, as DDP averages)."""
+    """1×2×1 with dp 2: each step's loss (dp mean) and the weights after 3 steps, saved with ``save_pretrained``
+    and converted from the strategy's checkpoint, equal the dense model's trained on the same two replica
+    batches per step (the mean of the replicas' losses, as DDP averages)."""
     sys.path.insert(0, str(SCRIPT.parent))
     import hf_fit
     from transformers import AutoModelForCausalLM
+
+    from lightning_3d.hf import checkpoint_to_pretrained
 
     run_ranks(SCRIPT, 4, str(tmp_path))
     records = [json.loads((tmp_path / f"hf.rank{r}.json").read_text()) for r in range(4)]
@@ -401,6 +404,8 @@ def test_lightning_adamw_steps_equal_dense(tmp_path):
         losses.append(loss.item())
     for rec in records:
         assert rel(torch.tensor(rec["loss"], dtype=F64), torch.tensor(losses, dtype=F64)) < LIGHTNING_TOL, (rec["loss"], losses)
-    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", dtype=F64).state_dict()
-    errs = {k: rel(trained[k], t) for k, t in dense.state_dict().items()}
-    assert max(errs.values()) < LIGHTNING_TOL, errs
+    checkpoint_to_pretrained(tmp_path / "last.ckpt", tmp_path / "from_ckpt")  # prefix "model." as recorded
+    for folder in ("trained", "from_ckpt"):
+        trained = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=F64).state_dict()
+        errs = {k: rel(trained[k], t) for k, t in dense.state_dict().items()}
+        assert max(errs.values()) < LIGHTNING_TOL, (folder, errs)

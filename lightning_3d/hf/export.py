@@ -112,6 +112,9 @@ def checkpoint_to_pretrained(checkpoint: str | os.PathLike, path: str | os.PathL
         raise ValueError(f"{checkpoint} records no transformers model and config under prefix {info['prefix']!r} "
                          f"(it holds {info.get('model') or 'an unknown model'}); pass the prefix of the parallelized "
                          "transformers model")
+    # a dtype recorded as the text of a torch.dtype ("torch.bfloat16") reads as transformers writes it ("bfloat16")
+    config = {k: v.removeprefix("torch.") if k in ("dtype", "torch_dtype") and isinstance(v, str) else v
+              for k, v in info["config"].items()}
     with torch.device("meta"):
-        model = model_class(config_class.from_dict(info["config"]))
+        model = model_class(config_class.from_dict(config))
     write_pretrained(model, as_stored(model, to_dense(checkpoint, prefix), find_plan(model)), path, max_shard_size)

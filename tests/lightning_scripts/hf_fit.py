@@ -4,7 +4,8 @@
 1×2×1 with dp 2, float64. ``configure_model`` builds the model from ``INIT_SEED`` and
 parallelizes it with its built-in plan. Each rank writes ``OUT/hf.rank<r>.json`` (the sequence
 indices of each step's batch, the dp-mean loss of each step); after fit ``save_pretrained`` writes
-``OUT/trained``. test_hf_parallelize.py replays the same batches on the dense model.
+``OUT/trained`` and the strategy a checkpoint ``OUT/last.ckpt``. test_hf_parallelize.py replays
+the same batches on the dense model.
 """
 
 import json
@@ -88,6 +89,7 @@ def main(out: Path) -> None:
     module = LitHF()
     trainer.fit(module)
     save_pretrained(module.model, out / "trained")
+    trainer.save_checkpoint(out / "last.ckpt")  # the strategy's sharded checkpoint (LightningModule keys: "model." ...)
     record = {**module.record, "dp_rank": module.grid.coord("dp")}
     (out / f"hf.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
