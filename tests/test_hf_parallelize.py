@@ -3,8 +3,12 @@
 One world of 8 sweeps the grids 1×1×1, 2×1×1, 1×2×1, 1×2×2, 2×2×1 (dp 2) and 2×2×2 (the rest of
 the world is dp, each replica on its own batch): tiny random ``LlamaForCausalLM`` (GQA: 4 heads,
 2 key/value heads; tied head with a padding mask, untied with per-sequence position ids and a
-``pad_token_id``, hence an embedding ``padding_idx``) and
-``GPT2LMHeadModel`` (padding mask and per-sequence position ids), in float64.
+``pad_token_id``, hence an embedding ``padding_idx``) and ``GPT2LMHeadModel`` (padding mask and
+per-sequence position ids), in float64. The same world also runs Mistral and Qwen2 on Llama's plan
+and the refusals (1×2×1); ``save_pretrained``, a sharded checkpoint through
+``checkpoint_to_pretrained``, ``lightning_3d.hf.from_pretrained``, a bf16-autocast step and
+activation checkpointing (2×2×2); one step through ``deepspeed_3d.initialize`` (1×2×2, dp 2).
+A launched world of 4 trains three AdamW steps under ``Trainer(strategy="tensor3d")``.
 
 The reference is the unmodified model, with two float64 adjustments that leave the model the same:
 ``LlamaRMSNorm`` computes in float32 by design, so the reference's norms are swapped for
