@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-EXAMPLES = ["train_gpt.py", "train_gpt_deepspeed.py", "quickstart_lightning.py"]
+EXAMPLES = ["train_gpt.py", "train_gpt_deepspeed.py", "quickstart_lightning.py", "finetune_hf.py"]
 
 
 def _run(args, **env):
