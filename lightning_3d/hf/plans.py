@@ -9,9 +9,12 @@
 Every block reads and writes z-layout; the projections into attention and the MLP are z→y, the
 ones out of them y→z; attention runs on y-layout rows, whole heads of y block ``j`` (so the heads,
 and GQA's key/value heads, must divide by py). Each plan's ``validate`` checks the config against
-the grid, then sets what the Hugging Face code reads per rank (GPT-2's ``split_size`` and
-``num_heads``; the model's ``loss_function``, :func:`~lightning_3d.hf.interface.causal_lm_loss_3d`),
-and the plan's ``before_forward`` lays each call out (:func:`~lightning_3d.hf.interface.lay_out_inputs`).
+the grid, then sets what the Hugging Face code reads per rank: GPT-2's ``split_size`` and
+``num_heads``; Llama's attention input as a y-batch view (a pre-hook on each attention,
+:func:`~lightning_3d.hf.interface.attention_input_as_y_batch`); the model's ``loss_function``
+(:func:`~lightning_3d.hf.interface.causal_lm_loss_3d`). It does so in ``validate`` because a plan
+runs nothing after the modules are replaced, and none of these belongs to a replaced module. The
+plan's ``before_forward`` lays each call out (:func:`~lightning_3d.hf.interface.lay_out_inputs`).
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ def prepare_llama(model: nn.Module, grid: Grid) -> None:
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     _refuse_unless(rope in ROPE_TYPES, model, f"rope_type {rope!r} rescales by the longest sequence, which differs per rank",
                    f"use one of {ROPE_TYPES}")
+    h, pz = config.hidden_size, grid.size("z")
+    _refuse_unless(py == pz or h % py == 0, model, f"hidden size {h} does not split over py = {py} (the attention's input is "
+                   f"viewed as [b/(px·pz), s, {h}/py] when py ≠ pz = {pz})", f"pick a grid whose py divides {h}, or py = pz")
     window = getattr(config, "sliding_window", None)
     _refuse_unless(window is None, model, f"sliding-window attention (sliding_window={window}) is not supported",
                    "set config.sliding_window = None (the same model when sequences are no longer than the window)")
