@@ -203,8 +203,6 @@ def refused(grid) -> dict:
     expected = {
         "kv_heads": (lambda: parallelize(llama(True, num_key_value_heads=1), grid=grid), None, "1 key/value heads do not split over py = 2"),
         "sliding_window": (lambda: parallelize(mistral(sliding_window=4), grid=grid), None, "sliding_window=4"),
-        "hidden": (lambda: parallelize(llama(True, hidden_size=15, head_dim=4), grid=grid), None,
-                   "hidden size 15 does not split over py = 2"),
         "attention": (lambda: parallelize(llama(True, attn_implementation="flex_attention"), grid=grid), None, "'flex_attention'"),
         "use_cache": (plain, lambda m: m(ids, use_cache=True), "use_cache=False"),
         "inputs_embeds": (plain, lambda m: m(inputs_embeds=torch.randn(B, S, 16, dtype=F64)), "not inputs_embeds"),

@@ -120,7 +120,8 @@ def attention_input_as_y_batch(attention: nn.Module, args: tuple, kwargs: dict, 
     The input is z-layout ``[b/(px·py), s, h/pz]``, the projections' outputs are y-layout
     ``[b/(px·pz), s, ·]``. The input is passed on as a view of the same elements shaped
     ``[b/(px·pz), s, h/py]``, so that the attention's reshapes see the y-layout batch; the
-    projections view it back (:func:`projection_input_as_z`). A no-op when ``py = pz``.
+    projections view it back (:func:`projection_input_as_z`). A no-op when ``py = pz``. ``h/py`` is
+    whole: transformers requires the heads to divide ``h``, and the plan requires py to divide the heads.
     """
     bound = inspect.signature(attention.forward).bind(*args, **kwargs)
     call = dict(bound.arguments)

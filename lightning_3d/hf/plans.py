@@ -97,9 +97,6 @@ def prepare_llama(model: nn.Module, grid: Grid) -> None:
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     _refuse_unless(rope in ROPE_TYPES, model, f"rope_type {rope!r} rescales by the longest sequence, which differs per rank",
                    f"use one of {ROPE_TYPES}")
-    h, pz = config.hidden_size, grid.size("z")
-    _refuse_unless(py == pz or h % py == 0, model, f"hidden size {h} does not split over py = {py} (the attention's input is "
-                   f"viewed as [b/(px·pz), s, {h}/py] when py ≠ pz = {pz})", f"pick a grid whose py divides {h}, or py = pz")
     window = getattr(config, "sliding_window", None)
     _refuse_unless(window is None, model, f"sliding-window attention (sliding_window={window}) is not supported",
                    "set config.sliding_window = None (the same model when sequences are no longer than the window)")
