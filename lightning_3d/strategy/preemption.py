@@ -3,10 +3,12 @@
 Schedulers preempt a job with SIGTERM (SLURM's ``--signal``, Kubernetes' pod deletion), users with
 Ctrl-C, and often only some processes get it (one node of several). A rank that stops alone leaves
 the others waiting in its next collective until the timeout. So a signal only notes itself; at the
-start of every training step the ranks agree on "has any rank been signalled" with one all-reduce
-of two integers over a CPU (gloo) group, which costs no device synchronisation; then, all at the
-same step boundary, they save the checkpoint the user asked for and exit with status
-``128 + signal``, rank 0 saying what happened. No Lightning import.
+start of every training step each rank starts an all-reduce of two integers ("was I signalled")
+over a CPU (gloo) group and reads the one it started a step earlier, which has long finished: the
+vote overlaps a whole step and costs no device synchronisation (waiting for it in place took
+about 1.4 ms on 4 CPU processes). When the vote says some rank was signalled, all ranks, at the
+same step boundary (at most two steps after the signal), save the checkpoint the user asked for and exit
+with status ``128 + signal``, rank 0 saying what happened. No Lightning import.
 
 A second signal on a rank, or a stop that has not finished within ``grace`` seconds (a peer that
 died, a stalled save), ends that process at once with a one-line message; its peers' collectives
@@ -32,9 +34,7 @@ _control_groups: dict[int, dist.ProcessGroup] = {}
 
 
 def _control_group(timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """The world on gloo (the world itself when it already is): the vote runs on CPU tensors."""
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
+    """A gloo group over the world of its own: the vote runs on CPU tensors, apart from every other collective."""
     key = id(dist.group.WORLD)
     if key not in _control_groups:
         _control_groups[key] = dist.new_group(backend="gloo", timeout=timeout)
@@ -66,6 +66,7 @@ class PreemptionWatch:
         self._previous: dict[int, object] = {}
         self._timers: list[threading.Timer] = []
         self._group: dist.ProcessGroup | None = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def install(self, timeout: datetime.timedelta) -> None:
         """Take over the signals (from the main thread) and make the vote's group; collective over the world."""
@@ -103,10 +104,24 @@ class PreemptionWatch:
         self._timers.append(timer)
 
     def agreed(self) -> tuple[int, int] | None:
-        """``(signal, rank)`` of a signalled rank (the highest such rank) if any rank was signalled, else None. Collective."""
-        vote = torch.tensor([self.signum, self.rank if self.signum else -1])
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
-        return (int(vote[0]), int(vote[1])) if vote[0] else None
+        """The vote started by the previous call: ``(signal, rank)`` of a signalled rank (the highest) if any rank
+        was signalled by then, else None; then starts this call's vote (unless stopping). Collective, once a step."""
+        result = None
+        if self._pending is not None:
+            work, vote = self._pending
+            work.wait()
+            self._pending = None
+            result = (int(vote[0]), int(vote[1])) if vote[0] else None
+        if result is None:
+            vote = torch.tensor([self.signum, self.rank if self.signum else -1])
+            self._pending = (dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group, async_op=True), vote)
+        return result
+
+    def finish(self) -> None:
+        """Wait for the last vote (every rank started it at the same step): the run ended normally."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
 
 
 def stop_message(signum: int, rank: int, step: int, checkpoint: Path | None) -> str:
@@ -151,6 +166,8 @@ class StopOnPreemption:
         raise Preempted(signum, message)
 
     def on_train_end(self) -> None:
+        if self._watch is not None:
+            self._watch.finish()
         self._end_watch()
         super().on_train_end()
 

@@ -1,8 +1,9 @@
 """Driver: a run of which one rank gets SIGTERM, then its resumption (Lightning's own launcher: ``devices=4``).
 
 ``python preempt.py OUT preempt``: 2×1×1 with dp 2, 3 epochs of 3 steps; rank 2 sends itself SIGTERM
-before step 4 (noting the time in ``OUT/signalled_at``). Every rank must stop at that step, save
-``OUT/preempted.ckpt`` and exit with status 143; each rank notes when it exits in ``OUT/exit.rank<r>``.
+before step 3 (noting the time in ``OUT/signalled_at``). Every rank must stop one step later, at the
+end of epoch 0 (global step 3), save ``OUT/preempted.ckpt`` and exit with status 143; each rank
+notes when it exits in ``OUT/exit.rank<r>``.
 ``python preempt.py OUT resume``: the same run resumed from that checkpoint, to the end; its losses
 land in ``OUT/resumed.rank<r>.json``.
 """
@@ -24,7 +25,7 @@ import lightning.pytorch as pl
 
 from lightning_3d import Tensor3DStrategy
 
-SIGNAL_RANK, SIGNAL_STEP, TIMEOUT_S = 2, 3, 60
+SIGNAL_RANK, SIGNAL_STEP, TIMEOUT_S = 2, 2, 60
 
 
 class SignalRank(pl.Callback):
