@@ -377,8 +377,11 @@ def test_lightning_strategy_fits_and_resumes(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "deepspeed_scripts", "lightning_fit_resume.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, script, str(tmp_path)], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-6000:]  # the last fit is preempted
     assert "RESULT ok" in proc.stdout, proc.stdout[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "tensor3d: rank 1 received SIGTERM; every rank stopped at global step 1 and saved a checkpoint" in log, log[-3000:]
+    assert (tmp_path / "preempted.ckpt" / "latest").is_file(), "the preemption checkpoint is incomplete"
 
 
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])

@@ -1,5 +1,7 @@
 """``"tensor3d_deepspeed"`` under Lightning on CPU: fit 1 epoch of 2 steps, checkpoint, resume to 2 epochs,
-then validate the checkpoint in a fresh Trainer (DeepSpeed's inference engine).
+then validate the checkpoint in a fresh Trainer (DeepSpeed's inference engine); last, a fourth fit
+in which rank 1 sends itself SIGTERM before its first step: every rank must stop at the next step
+boundary, save ``TMPDIR/preempted.ckpt`` and exit with status 143.
 
 The first fit passes the strategy object; the resumed one names it (``strategy="tensor3d_deepspeed"``)
 and gives the config through ``PL_DEEPSPEED_CONFIG_PATH``.
@@ -13,6 +15,7 @@ import copy
 import datetime
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -110,6 +113,12 @@ def trainer(epochs: int, tmp: Path, by_name: bool) -> L.Trainer:
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
 
+class SignalRankOne(L.Callback):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_rank == 1 and trainer.global_step == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(tmp: Path) -> None:
     loader = DataLoader(dataset(), batch_size=B)
     first = Module(seed=0)
@@ -134,7 +143,11 @@ def main(tmp: Path) -> None:
     if rank == 0:
         reports = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(t2.world_size)]
         bad = [(r, rep) for r, rep in enumerate(reports) if not rep["err"] < TOL]
-        print("RESULT " + ("ok" if not bad else f"mismatch {bad}"))
+        print("RESULT " + ("ok" if not bad else f"mismatch {bad}"), flush=True)
+    strategy = deepspeed_3d.Tensor3DDeepSpeedStrategy(config=copy.deepcopy(CONFIG), checkpoint_on_preemption=tmp / "preempted.ckpt")
+    t4 = L.Trainer(accelerator=ACCELERATOR, devices=DP * 2, strategy=strategy, max_epochs=2, logger=False, callbacks=[SignalRankOne()],
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    t4.fit(Module(seed=0), loader)  # ends the process: SystemExit(143)
 
 
 if __name__ == "__main__":
