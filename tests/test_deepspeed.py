@@ -382,6 +382,11 @@ def test_lightning_strategy_fits_and_resumes(tmp_path):
     log = proc.stdout + proc.stderr
     assert "tensor3d: rank 1 received SIGTERM; every rank stopped at global step 1 and saved a checkpoint" in log, log[-3000:]
     assert (tmp_path / "preempted.ckpt" / "latest").is_file(), "the preemption checkpoint is incomplete"
+    from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+    stated = [line.replace("Total params", "").strip(" :") for line in log.splitlines() if "Total params" in line]
+    dense = get_human_readable_count(sum(p.numel() for p in dense_model(0).parameters())).strip()
+    assert stated and stated[0] == dense, f"the model summary states {stated[:1]} parameters, the dense model has {dense}"
 
 
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])

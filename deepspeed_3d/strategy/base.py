@@ -16,7 +16,8 @@ what the grid needs:
   reads its shards;
 - ``configure_model`` runs without ``deepspeed.zero.Init``: ZeRO-3 partitions the 3-D shards
   over dp when the engine is made (``zero.Init`` would partition over the whole world);
-- data, ``reduce`` and ``all_gather`` work over dp: every cube rank holds one replica's value.
+- data, ``reduce`` and ``all_gather`` work over dp: every cube rank holds one replica's value;
+- Lightning's model summary counts the full model (:mod:`lightning_3d.strategy.summary`).
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ from lightning_3d.strategy.failures import ReportFailuresOnce, same_on_every_ran
 from lightning_3d.strategy.preemption import StopOnPreemption
 from lightning_3d.strategy.replicas import GridReplicas
 from lightning_3d.strategy.resume import resume_point, skip_message
+from lightning_3d.strategy.summary import SummariseGlobally
 
 from ..config import SECTION, current_grid, grid_shape, init_grid_from_config
 from ..engine import check_checkpoint_grid, engine_layout, initialize
 from ..layout import LAYOUT_KEY
 
 
-class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, GridReplicas):
+class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, GridReplicas):
     """DeepSpeed (ZeRO over dp) with 3-D tensor parallelism inside each replica.
 
     Takes every argument of Lightning's ``DeepSpeedStrategy``; the DeepSpeed config (dict or
@@ -96,6 +98,7 @@ class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, GridReplicas)
         self._grid = init_grid_from_config(self.config)
         set_grid(self._grid)
         self.lightning_module.grid = self._grid
+        self.summarise_globally(self.lightning_module.trainer)
 
     def setup_distributed(self) -> None:
         """As ``DeepSpeedStrategy``'s, without its CUDA device-index check on CPU."""

@@ -42,6 +42,7 @@ from .precision import on_grid
 from .preemption import StopOnPreemption
 from .replicas import GridReplicas
 from .resume import resume_point, skip_message
+from .summary import SummariseGlobally
 from .zero import ShardedOptimizerState
 
 PARAM_GROUPS_KEY = "tensor3d_param_groups"
@@ -64,7 +65,7 @@ def unwrap(optimizer):
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, GridReplicas):
+class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, GridReplicas):
     """3-D tensor parallelism (Bian et al. 2021) on a ``dp × px × py × pz`` grid of processes.
 
     The LightningModule builds its 3-D layers (``Linear3D``, ...) in ``configure_model()``;
@@ -96,9 +97,8 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, GridReplicas):
             ``async_tp``; at setup, numbers that do not multiply to the world size.
     """
 
-    # Set by each namespace's class: its grid-aware precision plugins and summary callback, its helpers.
+    # Set by each namespace's class: its grid-aware precision plugins, summary callbacks and helpers.
     grid_precisions: ClassVar[dict[type, type]]
-    summary_callbacks: ClassVar[dict[type, type]]
     info: ClassVar[Callable[[str], None]]
     worker_init_function: ClassVar[Callable[..., None]]
 
@@ -177,17 +177,11 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, GridReplicas):
         set_grid(self._grid)
         self.lightning_module.grid = self._grid
         self.lightning_module._device_mesh = self._grid.mesh
-        trainer = self.lightning_module.trainer
-        trainer.callbacks = [self._summarising_globally(callback) for callback in trainer.callbacks]
+        self.summarise_globally(self.lightning_module.trainer)
         self.precision_plugin.grid = self._grid
         px, py, pz = shape
         self.info(f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, async_tp={self.async_tp}"
                   f", across nodes: {'+'.join(self._grid.axes_across_nodes) or 'nothing'}")
-
-    def _summarising_globally(self, callback):
-        """Lightning's ``ModelSummary`` callback as the namespace's subclass that counts the full model (same settings)."""
-        cls = self.summary_callbacks.get(type(callback))
-        return callback if cls is None else cls(max_depth=callback._max_depth, **callback._summarize_kwargs)
 
     def process_dataloader(self, dataloader: object) -> object:
         """Seed dataloader workers by dp rank, so the cube ranks that share a batch draw alike."""

@@ -5,7 +5,7 @@ counts the dense shape its module declares (``dense_shapes``: a vocabulary padde
 counts its true rows), else the global shape of its :class:`~lightning_3d.sharding.ShardSpec`, and
 a plain parameter (replicated over the cube) its own size, so the table and its totals are the
 dense model's.
-``Tensor3DStrategy`` puts its summary callback in place of Lightning's default one.
+Both 3-D strategies put their summary callback in place of Lightning's (:class:`SummariseGlobally`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from ..sharding import get_spec
 def global_numel(param) -> int:
     """The number of elements of ``param`` in the full model (its global shape when sharded)."""
     spec = get_spec(param)
-    return math.prod(spec.global_shape) if spec is not None else param.numel()
+    if spec is not None:
+        return math.prod(spec.global_shape)
+    return getattr(param, "ds_numel", param.numel())  # a plain parameter that ZeRO-3 partitioned keeps its size there
 
 
 def dense_numels(module: nn.Module) -> dict[int, int]:
@@ -67,3 +69,17 @@ class GlobalSummaryCallback:
 
     def _summary(self, trainer, pl_module):
         return self.summary_class(pl_module, max_depth=self._max_depth)
+
+
+class SummariseGlobally:
+    """Strategy mixin: :meth:`summarise_globally` swaps Lightning's summary callbacks for their full-model subclasses."""
+
+    summary_callbacks: dict[type, type]  # Lightning's callback class → its subclass mixing in GlobalSummaryCallback
+
+    def summarise_globally(self, trainer) -> None:
+        """Replace each of ``trainer``'s summary callbacks by the subclass of the same settings (``_max_depth``, ``_summarize_kwargs``)."""
+        trainer.callbacks = [self._global(callback) for callback in trainer.callbacks]
+
+    def _global(self, callback):
+        cls = self.summary_callbacks.get(type(callback))
+        return callback if cls is None else cls(max_depth=callback._max_depth, **callback._summarize_kwargs)

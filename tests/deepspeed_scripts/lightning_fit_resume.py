@@ -100,7 +100,7 @@ def dense_reference(dp_rank: int) -> tuple[list[float], float]:
 CONFIG = {"zero_optimization": {"stage": 2}, "gradient_clipping": CLIP, "tensor3d": {"grid": list(SHAPE)}}
 
 
-def trainer(epochs: int, tmp: Path, by_name: bool) -> L.Trainer:
+def trainer(epochs: int, tmp: Path, by_name: bool, summary: bool = False) -> L.Trainer:
     """The strategy as an object, or by its registered name with the config from PL_DEEPSPEED_CONFIG_PATH."""
     if by_name:
         path = tmp / f"ds_config_{os.getpid()}.json"
@@ -110,7 +110,7 @@ def trainer(epochs: int, tmp: Path, by_name: bool) -> L.Trainer:
     else:
         strategy = deepspeed_3d.Tensor3DDeepSpeedStrategy(config=copy.deepcopy(CONFIG), timeout=datetime.timedelta(seconds=120))  # Lightning edits it
     return L.Trainer(accelerator=ACCELERATOR, devices=DP * 2, strategy=strategy, max_epochs=epochs, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=summary)
 
 
 class SignalRankOne(L.Callback):
@@ -122,7 +122,7 @@ class SignalRankOne(L.Callback):
 def main(tmp: Path) -> None:
     loader = DataLoader(dataset(), batch_size=B)
     first = Module(seed=0)
-    t1 = trainer(1, tmp, by_name=False)
+    t1 = trainer(1, tmp, by_name=False, summary=True)  # rank 0 prints the model summary
     t1.fit(first, loader)
     ckpt = tmp / "resume.ckpt"
     t1.save_checkpoint(ckpt)
