@@ -2,8 +2,8 @@
 
 ``lightning.pytorch`` and ``pytorch_lightning`` ship the same code under two names, with distinct
 base classes and registries; each namespace module (:mod:`.lightning`, :mod:`.pytorch_lightning`)
-defines ``class Tensor3DStrategy(Tensor3DMixin, DDPStrategy)`` with its own precision plugins and
-logging function. This module imports no Lightning. The class extends Lightning's ``DDPStrategy``
+defines ``class Tensor3DStrategy(Tensor3DMixin, DDPStrategy)`` with its own precision plugins,
+summary callbacks and helpers. This module imports no Lightning. The class extends Lightning's ``DDPStrategy``
 (launcher, process-group setup, barrier, object broadcast, manual-optimization hooks) and
 replaces what must change on a grid:
 
@@ -15,7 +15,12 @@ replaces what must change on a grid:
   fp16, agrees on overflow over the world): :mod:`.precision`;
 - data, ``reduce``, ``all_gather`` and ``self.log(sync_dist=True)`` work over dp: every cube rank
   holds one replica's value, so reducing over the world would count it ``px·py·pz`` times;
-- checkpoints are sharded directories (:mod:`lightning_3d.checkpoint`) plus ``meta.pt``.
+- checkpoints are sharded directories (:mod:`lightning_3d.checkpoint`) plus ``meta.pt``; a resumed
+  run does not rewrite the one it started from (:mod:`.resume`);
+- ``set_world_ranks`` (in the launching process too) refuses a grid that does not fit the world,
+  and an error every rank makes alike is shown once (:mod:`.failures`);
+- SIGTERM / SIGINT on any rank stops every rank at the same step (:mod:`.preemption`);
+- Lightning's model summary counts the full model (:mod:`.summary`).
 """
 
 from __future__ import annotations
@@ -31,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import arguments, planner
 from .. import checkpoint as ckpt
 from ..grid import Grid, init_grid, set_grid
 from ..parallel import set_options
-from .. import arguments, planner
 from ..planner import ModelShape
 from . import grid_rules
 from .failures import ConfigurationError, ReportFailuresOnce, same_on_every_rank
