@@ -1,6 +1,6 @@
 """The 1-D tensor-parallel peer: the anchor's GPT block under PyTorch's DTensor (Megatron scheme).
 
-The block and the plan are those of ``shared/bench/anchor_gpu.py`` (ANCHORS.md): LayerNorm,
+The block and the plan are PyTorch's native 1-D tensor parallelism as users run it: LayerNorm,
 separate q/k/v/o projections, causal SDPA, a 4h MLP; q, k, v and fc1 ``ColwiseParallel``, o and
 fc2 ``RowwiseParallel``. One deviation: GELU is tanh-approximated, so that the peer computes the
 same function as ``lightning_3d.models`` (GPT-2's ``gelu_new``) and the losses can be compared.

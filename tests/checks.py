@@ -64,3 +64,12 @@ def assert_close(results: list, tol: float = TOL) -> None:
 
 
 __all__ = ["GRIDS_8", "ShardSpec", "TOL", "assert_close", "compare_module", "local", "on_grids", "rel", "seed_for"]
+
+
+def value_error(fn) -> str:
+    """The message of the ``ValueError`` that ``fn()`` raises, or ``"no ValueError"`` (which no check expects)."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no ValueError"

@@ -1,11 +1,11 @@
-"""GPT3D equals DenseGPT on every grid (float64): logits, loss, every parameter gradient; and the rest of issue 3."""
+"""GPT3D equals DenseGPT on every grid (float64): logits, loss, every parameter gradient; generation, padding, checkpointing, import."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import harness
-from checks import GRIDS_8, assert_close, local, on_grids, rel, seed_for
+from checks import GRIDS_8, assert_close, local, on_grids, rel, seed_for, value_error
 from lightning_3d.layout import gather_activation
 from lightning_3d.models import DenseGPT, FusedLinear3D, GPT3D, GPTConfig, dense_state_dict_from_hf, gpt_config_from_hf
 from lightning_3d.options import RuntimeOptions
@@ -201,24 +201,16 @@ def test_bf16_autocast_step():
     assert_close(harness.run(8, on_grids, [(1, 2, 2), (2, 2, 2)], bf16_job), tol=1.0)
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no ValueError"
-
-
 def errors_job(grid):
     """Construction and forward checks on 2×2×2: each message names the numbers and the fix."""
     model = GPT3D(config("gpt2"), grid, dtype=F64)
     return {
-        "heads": _error(lambda: GPT3D(GPTConfig(**{**BASE, "n_head": 1, "n_embd": 16}), grid)),
-        "width": _error(lambda: GPT3D(GPTConfig(**{**BASE, "n_head": 2, "n_embd": 18}), grid)),
-        "ffn": _error(lambda: GPT3D(config("llama", ffn_hidden=18), grid)),
-        "batch": _error(lambda: model(torch.zeros(2, S, dtype=torch.long))),
-        "seq": _error(lambda: model(torch.zeros(B, 13, dtype=torch.long))),
-        "ids": _error(lambda: model(torch.zeros(B, S))),
+        "heads": value_error(lambda: GPT3D(GPTConfig(**{**BASE, "n_head": 1, "n_embd": 16}), grid)),
+        "width": value_error(lambda: GPT3D(GPTConfig(**{**BASE, "n_head": 2, "n_embd": 18}), grid)),
+        "ffn": value_error(lambda: GPT3D(config("llama", ffn_hidden=18), grid)),
+        "batch": value_error(lambda: model(torch.zeros(2, S, dtype=torch.long))),
+        "seq": value_error(lambda: model(torch.zeros(B, 13, dtype=torch.long))),
+        "ids": value_error(lambda: model(torch.zeros(B, S))),
     }
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import harness
-from checks import assert_close, on_grids, rel, seed_for
+from checks import assert_close, on_grids, rel, seed_for, value_error
 from lightning_3d.layers import Module3D
 from lightning_3d.parallel import (
     LMHead,
@@ -147,29 +147,21 @@ def test_meta_build_equals_materialised_build():
     assert_close(harness.run(8, on_grids, [(2, 2, 2), (1, 2, 1)], meta_job), tol=1e-300)
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no ValueError"
-
-
 def errors_job(grid):
     model = TinyLM()
     no_fc2 = plan()
     del no_fc2.rules["blocks.*.fc2"]
     unused = plan()
     unused.rules["blocks.*.gate"] = Linear("z")
-    msgs = {"unmapped": _error(lambda: parallelize(model, no_fc2, grid=grid)),
-            "unused": _error(lambda: parallelize(model, unused, grid=grid)),
-            "no_plan": _error(lambda: parallelize(model, grid=grid)),
-            "split": _error(lambda: parallelize(model, plan(), grid=harness.grid((1, 8, 1))))}
+    msgs = {"unmapped": value_error(lambda: parallelize(model, no_fc2, grid=grid)),
+            "unused": value_error(lambda: parallelize(model, unused, grid=grid)),
+            "no_plan": value_error(lambda: parallelize(model, grid=grid)),
+            "split": value_error(lambda: parallelize(model, plan(), grid=harness.grid((1, 8, 1))))}
     harness.grid(grid.shape)
     msgs["unchanged"] = not any(isinstance(m, Module3D) for m in model.modules())
     parallelize(model, plan(), grid=grid)
-    msgs["twice"] = _error(lambda: parallelize(model, plan(), grid=grid))
-    msgs["option"] = _error(lambda: set_options(model, asynctp=True))
+    msgs["twice"] = value_error(lambda: parallelize(model, plan(), grid=grid))
+    msgs["option"] = value_error(lambda: set_options(model, asynctp=True))
     msgs["shared"] = all(m.options is options_of(model) for m in model.modules() if isinstance(m, Module3D))
     return msgs
 

@@ -1,7 +1,7 @@
 """Replicated values inside the cube: identity forward, gradient summed over the replicas.
 
-A bias or norm weight block is held by every rank that uses it (the replicated-vector variant of
-DESIGN §3, which works on every grid). Each replica's backward yields the gradient of its own rows
+A bias or norm weight block is held by every rank that uses it (instead of the paper's storage on
+the cube diagonal, which a non-cubic grid lacks: this works on every grid). Each replica's backward yields the gradient of its own rows
 only; summing over the replicas gives every one of them the full gradient.
 """
 
