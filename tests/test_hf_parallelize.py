@@ -208,7 +208,14 @@ def refused(grid) -> dict:
         "inputs_embeds": (plain, lambda m: m(inputs_embeds=torch.randn(B, S, 16, dtype=F64)), "not inputs_embeds"),
         "batch": (plain, lambda m: m(ids[:3]), "multiple of lcm(px·py, px·pz) = 2"),
     }
-    return {k: float(needle not in message(build, call)) for k, (build, call, needle) in expected.items()}
+    errs = {k: float(needle not in message(build, call)) for k, (build, call, needle) in expected.items()}
+    untouched = llama(True)
+    untouched.extra = torch.nn.Linear(2, 2)  # no rule maps it: refused after validate, before anything changes
+    errs["unmapped"] = float("extra (Linear)" not in message(lambda: parallelize(untouched, grid=grid)))
+    attention = untouched.model.layers[0].self_attn
+    errs["refused_model_untouched"] = float("loss_function" in vars(untouched) or bool(attention._forward_pre_hooks)
+                                            or type(untouched.model.embed_tokens) is not torch.nn.Embedding)
+    return errs
 
 
 def llama_like_and_refusals_job(grid) -> dict:

@@ -9,12 +9,11 @@
 Every block reads and writes z-layout; the projections into attention and the MLP are z→y, the
 ones out of them y→z; attention runs on y-layout rows, whole heads of y block ``j`` (so the heads,
 and GQA's key/value heads, must divide by py). Each plan's ``validate`` checks the config against
-the grid, then sets what the Hugging Face code reads per rank: GPT-2's ``split_size`` and
-``num_heads``; Llama's attention input as a y-batch view (a pre-hook on each attention,
+the grid before anything changes; its ``prepare``, run once the modules are replaced, sets what
+the Hugging Face code reads per rank: GPT-2's ``split_size`` and ``num_heads``; Llama's attention
+input as a y-batch view (a pre-hook on each attention,
 :func:`~lightning_3d.hf.interface.attention_input_as_y_batch`); the model's ``loss_function``
-(:func:`~lightning_3d.hf.interface.causal_lm_loss_3d`). It does so in ``validate`` because a plan
-runs nothing after the modules are replaced, and none of these belongs to a replaced module. The
-plan's ``before_forward`` lays each call out (:func:`~lightning_3d.hf.interface.lay_out_inputs`).
+(:func:`~lightning_3d.hf.interface.causal_lm_loss_3d`). The plan's ``before_forward`` lays each call out (:func:`~lightning_3d.hf.interface.lay_out_inputs`).
 """
 
 from __future__ import annotations
@@ -87,8 +86,8 @@ def _use_3d_loss(model: nn.Module, grid: Grid) -> None:
     model.loss_function = functools.partial(causal_lm_loss_3d, grid=grid)
 
 
-def prepare_llama(model: nn.Module, grid: Grid) -> None:
-    """Check a Llama-like config against ``grid``; then hand each attention its input as a y-batch view, and use the 3-D loss."""
+def check_llama(model: nn.Module, grid: Grid) -> None:
+    """Refuse a Llama-like config that ``grid`` cannot split, naming the numbers and the fix."""
     config = model.config
     _check_common(model, grid, config.num_attention_heads)
     py, kv = grid.size("y"), config.num_key_value_heads
@@ -100,16 +99,24 @@ def prepare_llama(model: nn.Module, grid: Grid) -> None:
     window = getattr(config, "sliding_window", None)
     _refuse_unless(window is None, model, f"sliding-window attention (sliding_window={window}) is not supported",
                    "set config.sliding_window = None (the same model when sequences are no longer than the window)")
+
+
+def prepare_llama(model: nn.Module, grid: Grid) -> None:
+    """Hand each attention its input as a y-batch view, and use the 3-D loss."""
     for layer in model.model.layers:
         layer.self_attn.register_forward_pre_hook(functools.partial(attention_input_as_y_batch, grid=grid), with_kwargs=True)
     _use_3d_loss(model, grid)
 
 
-def prepare_gpt2(model: nn.Module, grid: Grid) -> None:
-    """Check a GPT-2 config against ``grid``; then set each attention's per-rank sizes, and use the 3-D loss."""
+def check_gpt2(model: nn.Module, grid: Grid) -> None:
+    """Refuse a GPT-2 config that ``grid`` cannot split, naming the numbers and the fix."""
     config = model.config
     _check_common(model, grid, config.n_head)
     _refuse_unless(not config.add_cross_attention, model, "cross-attention is not supported", "set add_cross_attention=False")
+
+
+def prepare_gpt2(model: nn.Module, grid: Grid) -> None:
+    """Set each attention's per-rank sizes, and use the 3-D loss."""
     py = grid.size("y")
     for block in model.transformer.h:
         block.attn.split_size //= py  # the width of q, k and v in c_attn's y-layout output block
@@ -132,7 +139,7 @@ def llama_plan(model: nn.Module) -> Plan:
         "model.norm": Norm("z"),
         "lm_head": LMHead(),
     }
-    return Plan(rules, checkpoint=("model.layers.*",), validate=prepare_llama,
+    return Plan(rules, checkpoint=("model.layers.*",), validate=check_llama, prepare=prepare_llama,
                 before_forward=functools.partial(lay_out_inputs, position_rows="xz"))
 
 
@@ -155,7 +162,7 @@ def gpt2_plan(model: nn.Module) -> Plan:
         "transformer.ln_f": Norm("z"),
         "lm_head": LMHead(),
     }
-    return Plan(rules, checkpoint=("transformer.h.*",), validate=prepare_gpt2,
+    return Plan(rules, checkpoint=("transformer.h.*",), validate=check_gpt2, prepare=prepare_gpt2,
                 before_forward=functools.partial(lay_out_inputs, position_rows="xy"))
 
 

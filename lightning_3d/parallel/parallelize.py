@@ -67,6 +67,8 @@ def parallelize(model: nn.Module, plan: Plan | None = None, *, grid: Grid | None
     del modules
     device = torch.device(device) if device is not None else torch.get_default_device()
     _Converter(model, plan, grid, device).run(order, rules, built)
+    if plan.prepare is not None:
+        plan.prepare(model, grid)
     for unit in units:
         recompute_when_enabled(unit, options)
     attach_model_hooks(model, plan, grid, options)

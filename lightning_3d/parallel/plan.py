@@ -46,6 +46,9 @@ class Plan:
             each module's ``reset_parameters()`` runs on its full-size tensors, in module order.
         validate: ``(model, grid) -> None``, raising ``ValueError`` naming the numbers and the fix
             when the model does not split on the grid (e.g. heads over py); run before any change.
+        prepare: ``(model, grid) -> None``, run once after the modules are replaced: set what the
+            model's own code reads per rank and no rule owns (per-rank sizes of unreplaced
+            modules, hooks, the model's loss function).
         strict: every pattern of ``rules`` and ``checkpoint`` must match some module.
     """
 
@@ -56,6 +59,7 @@ class Plan:
     after_forward: AfterForward | None = None
     init: Callable[[str, torch.Tensor], None] | None = None
     validate: Callable[[nn.Module, Grid], None] | None = None
+    prepare: Callable[[nn.Module, Grid], None] | None = None
     strict: bool = True
 
     def rule_for(self, name: str) -> Rule | None:
