@@ -12,7 +12,7 @@ DeepSpeed unpickles its files with ``weights_only=False``. So before anything re
 the few DeepSpeed types its files hold (:func:`deepspeed_globals`): a file naming anything else is
 refused, naming the file, and nothing in it runs. DeepSpeed's own reader then gets the same bytes.
 
-Command line: ``python -m deepspeed_3d.checkpoint to-dense CKPT_DIR OUT.pt [--tag TAG] [--prefix model.]``.
+Command line: ``python -m deepspeed_3d.checkpoint to-dense CKPT_DIR OUT.pt [--tag TAG] [--prefix P]``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from lightning_3d.checkpoint import CheckpointError, global_to_dense, save_dense
+from lightning_3d.checkpoint import CheckpointError, global_to_dense, root_info, save_dense
 from lightning_3d.checkpoint.untrusted import load_weights_only
 from lightning_3d.grid import Grid
 from lightning_3d.sharding import assemble_tensor
@@ -101,7 +101,7 @@ def _offline_grid(layout: dict) -> Grid:
     return Grid(tuple(layout["grid"]), layout["data_parallel_size"], (0, 0, 0, 0), mesh=None, timeout=None, _groups={})
 
 
-def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str = "") -> dict[str, torch.Tensor]:
+def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str | None = None) -> dict[str, torch.Tensor]:
     """The dense state dict of a DeepSpeed 3-D checkpoint, in one process (no process group needed).
 
     Every file is read weights-only first (:func:`read_layout`); DeepSpeed's ZeRO reader follows.
@@ -109,13 +109,15 @@ def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str = "
     Args:
         checkpoint_dir: the directory given to ``engine.save_checkpoint``.
         tag: the checkpoint tag; default: the one named in ``checkpoint_dir/latest``.
-        prefix: keep the keys that start with it and drop it (``"model."`` for a LightningModule
-            whose 3-D model is ``self.model``); ``""`` keeps every key.
+        prefix: keep the keys that start with it and drop it; ``""`` keeps every key; default: the
+            prefix of the model recorded as the dense root (``"model."`` for a LightningModule whose
+            3-D model is ``self.model``), so the keys are the dense twin's.
     """
     path = tag_dir(checkpoint_dir, tag)
     layout = read_layout(path)
     if layout is None:
         raise ValueError(f"{path} carries no {LAYOUT_KEY!r}: it was not saved by an engine of deepspeed_3d.initialize")
+    prefix = root_info(layout.get("dense_root"), prefix)["prefix"]
     grid = _offline_grid(layout)
     specs, dense_shapes = layout_specs(layout), layout["dense_shapes"]
     shards = [rank_state_dict(path, r) for r in range(grid.cube_size)]
@@ -139,9 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     dense.add_argument("checkpoint", help="the directory given to engine.save_checkpoint")
     dense.add_argument("output", help="output file (torch.save of the state dict)")
     dense.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT/latest)")
-    dense.add_argument("--prefix", default="", help="keep only keys starting with this and drop it, e.g. 'model.'")
+    dense.add_argument("--prefix", default=None, help="keep only keys starting with this and drop it; '' keeps every key; "
+                       "default: the recorded prefix of the model, so the keys are its dense twin's")
     args = parser.parse_args(argv)
-    save_dense(to_dense(args.checkpoint, args.tag, args.prefix), args.output)
+    layout = read_layout(tag_dir(args.checkpoint, args.tag)) or {}
+    save_dense(to_dense(args.checkpoint, args.tag, args.prefix), args.output, root_info(layout.get("dense_root"), args.prefix))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from the newest one with ``--resume``, and ends by printing a generated sample.
 
     python examples/train_gpt.py                      # CPU: 8 processes, a few minutes
     python examples/train_gpt.py --resume --max-steps 300
-    python -m lightning_3d.checkpoint to-dense OUT/checkpoints/<ckpt> dense.pt --prefix model.
+    python -m lightning_3d.checkpoint to-dense OUT/checkpoints/<ckpt> dense.safetensors
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ dict with ``python -m deepspeed_3d.checkpoint to-dense``.
 
     python examples/train_gpt_deepspeed.py                    # CPU: 8 processes (gloo)
     python examples/train_gpt_deepspeed.py --resume --max-steps 300
-    python -m deepspeed_3d.checkpoint to-dense OUT/checkpoints/<ckpt> dense.pt --prefix model.
+    python -m deepspeed_3d.checkpoint to-dense OUT/checkpoints/<ckpt> dense.safetensors
 """
 
 from __future__ import annotations

@@ -44,7 +44,12 @@ def dense_info(path: str | Path, prefix: str | None = None) -> dict[str, Any]:
 
     ``prefix=None`` takes the recorded dense root's; the rest is None unless ``prefix`` is its.
     """
-    root = json.loads((Path(path) / LAYOUT_FILE).read_text()).get("dense_root") or {"prefix": ""}
+    return root_info(json.loads((Path(path) / LAYOUT_FILE).read_text()).get("dense_root"), prefix)
+
+
+def root_info(root: dict[str, Any] | None, prefix: str | None = None) -> dict[str, Any]:
+    """:func:`dense_info` from a recorded dense root (:func:`~lightning_3d.checkpoint.dense_root`; None: the whole module)."""
+    root = root or {"prefix": ""}
     if prefix is None:
         prefix = root["prefix"]
     same = prefix == root["prefix"]
