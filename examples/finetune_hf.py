@@ -107,7 +107,7 @@ class FineTune(pl.LightningModule):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model-dir", default=None, help="a local Hugging Face folder; none: a tiny random Llama")
-    parser.add_argument("--out", default="finetune_hf_out", help="where the initial (if written) and fine-tuned folders go")
+    parser.add_argument("--out", default="runs/finetune_hf", help="where the initial (if written) and fine-tuned folders go")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"], help="CPU processes or GPUs")
     parser.add_argument("--devices", type=int, default=4, help="processes (CPU, over gloo) or GPUs")
     parser.add_argument("--grid", type=int, nargs=3, default=[1, 2, 2], metavar=("PX", "PY", "PZ"),
