@@ -107,6 +107,7 @@ def different_batches_job():
         "linear": lambda: Linear3D(8, 8, grid=grid)(torch.randn(b // 4, 3, 8)),
         "loss": lambda: CrossEntropyLoss3D(grid=grid)(torch.randn(2, 3, 8), ids[:4] if rank else ids),
         "gpt": lambda: GPT3D(TINY, grid=grid)(ids),
+        "options": lambda: GPT3D(TINY, grid=grid, options=RuntimeOptions(async_tp=rank == 0)),
     }
     out = {}
     for name, case in cases.items():
@@ -115,8 +116,11 @@ def different_batches_job():
     return out
 
 
-def test_cube_ranks_given_different_batches_all_raise():
+def test_cube_ranks_given_different_batches_or_options_all_raise():
     for rank, r in enumerate(harness.run(4, different_batches_job, timeout=FAST)):
+        options, seconds = r.pop("options")  # run-time options that differ: every rank raises too
+        assert "RuntimeOptions: the ranks disagree on async_tp = True on rank 0, False on ranks 1-3" in options, options
+        assert seconds < 10, seconds
         for name, (msg, seconds) in r.items():
             assert "the ranks disagree on" in msg and "every rank of a cube must be given the same batch" in msg, (rank, name, msg)
             assert seconds < 10, (name, seconds)

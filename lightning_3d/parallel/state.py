@@ -7,6 +7,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from ..agreement import agree
 from ..grid import Grid
 from ..layers.base import Module3D
 from ..layers.base import dense_state_dict as _dense_state_dict
@@ -40,13 +41,20 @@ def options_of(model: nn.Module) -> RuntimeOptions:
 
 
 def check_options(options: RuntimeOptions, grid: Grid) -> None:
-    """``ValueError`` naming the fix when ``options`` cannot run on ``grid`` (collective matmuls that this device or torch lacks)."""
+    """``ValueError`` on every rank of the cube unless all of them pass equal ``options`` (ranks that ran different
+    collectives would hang); then naming the fix when ``options`` cannot run on ``grid`` (collective matmuls that
+    this device or torch lacks). Collective over the cube."""
+    agree(dataclasses.asdict(options), grid.group("cube"), "RuntimeOptions",
+          "every rank must run with the same options: set them alike on all ranks (parallelize(options=...), "
+          "set_options(model, ...), Tensor3DStrategy(async_tp=...))")
     if options.async_tp:
         check_available(grid.mesh.device_type, grid.cube_size, grid.axes_across_nodes)
 
 
 def set_options(model: nn.Module, **changes) -> None:
-    """Set fields of every :class:`RuntimeOptions` the 3-D layers of ``model`` hold (``set_options(model, async_tp=True)``)."""
+    """Set fields of every :class:`RuntimeOptions` the 3-D layers of ``model`` hold (``set_options(model, async_tp=True)``).
+
+    Collective over the cube: every rank calls it with the same changes (checked)."""
     unknown = set(changes) - {f.name for f in dataclasses.fields(RuntimeOptions)}
     if unknown:
         raise ValueError(f"unknown RuntimeOptions fields {sorted(unknown)}; fields: {[f.name for f in dataclasses.fields(RuntimeOptions)]}")
