@@ -21,6 +21,7 @@ import deepspeed
 import torch.distributed as dist
 
 import lightning_3d
+from lightning_3d import arguments
 from lightning_3d.grid import Grid
 
 SECTION = "tensor3d"
@@ -47,10 +48,10 @@ def grid_shape(config: dict[str, Any]) -> tuple[int, int, int] | None:
     if not isinstance(section, dict) or set(section) - _SECTION_KEYS or "grid" not in section:
         raise ValueError(f'the "{SECTION}" section must be {{"grid": [px, py, pz]}} with an optional "async_tp": true/false, '
                          f'got {section!r}')
-    shape = section["grid"]
-    if not isinstance(shape, (list, tuple)) or len(shape) != 3 or not all(isinstance(s, int) and s >= 1 for s in shape):
-        raise ValueError(f'"{SECTION}": {{"grid": ...}} must be three positive integers [px, py, pz], got {shape!r}')
-    return tuple(shape)
+    try:
+        return arguments.grid_shape(section["grid"])
+    except ValueError as e:
+        raise ValueError(f'"{SECTION}": {{"grid": [px, py, pz]}}: {e}') from None
 
 
 def async_tp(config: dict[str, Any]) -> bool:

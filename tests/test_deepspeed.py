@@ -297,6 +297,7 @@ def errors_job(shape, ckpt_root):
         "precision": {**ds_config(shape, 0, dp), "bf16": {"enabled": True}},
         "section": {**ds_config(shape, 1, dp), "tensor3d": {"grid": [2, 1, 1]}},
         "section_keys": {**ds_config(shape, 1, dp), "tensor3d": {"shape": [1, 1, 2]}},
+        "grid_type": {**ds_config(shape, 1, dp), "tensor3d": {"grid": [1, True, 2]}},
         "async_tp_type": {**ds_config(shape, 1, dp), "tensor3d": {"grid": list(shape), "async_tp": "yes"}},
     }
     messages = {}
@@ -376,6 +377,7 @@ def test_initialize_errors(tmp_path):
     assert "bf16 without ZeRO" in messages["precision"] and '"stage": 1' in messages["precision"]
     assert "[2, 1, 1]" in messages["section"] and "1×1×2" in messages["section"]
     assert '{"grid": [px, py, pz]}' in messages["section_keys"]
+    assert "py = True is a bool" in messages["grid_type"]  # checked as init_grid checks it, not coerced
     assert "must be true or false, got 'yes'" in messages["async_tp_type"]
     assert "do not pass mpu=" in messages["mpu"]
 
