@@ -21,12 +21,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from ..grid import Grid
 from ..parallel import Dropout, Linear, LMHead, Norm, Plan, PositionEmbedding, VocabEmbedding, register_norm, register_plan
-from .interface import attention_input_as_y_batch, causal_lm_loss_3d, lay_out_inputs, projection_input_as_z, row_block
+from .interface import attention_input_as_y_batch, causal_lm_loss_3d, lay_out_inputs, projection_input_as_z
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 LLAMA_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
@@ -44,27 +43,6 @@ class AttentionProjection(Linear):
         layer = super().build(name, module, grid, options)
         layer.register_forward_pre_hook(projection_input_as_z)
         return layer
-
-
-@dataclass(frozen=True)
-class TokenEmbedding(VocabEmbedding):
-    """:class:`VocabEmbedding` that also takes an ``nn.Embedding`` with ``padding_idx`` (a config's
-    ``pad_token_id``): as there, lookups of the padding id pass no gradient to its row."""
-
-    def build(self, name, module, grid, options):
-        if module.padding_idx is None:
-            return super().build(name, module, grid, options)
-        plain = nn.Embedding(*module.weight.shape, device="meta", dtype=module.weight.dtype)
-        layer = super().build(name, plain, grid, options)
-        layer.register_forward_hook(functools.partial(_no_grad_at_padding, padding_idx=module.padding_idx, grid=grid))
-        return layer
-
-
-def _no_grad_at_padding(layer: nn.Module, args: tuple, output: torch.Tensor, *, padding_idx: int, grid: Grid) -> torch.Tensor:
-    """Forward hook of a token embedding: its z-layout output, detached where the full ids ``args[0]`` hold ``padding_idx``."""
-    ids = args[0]
-    padding = (ids[row_block(grid, "xy", ids.shape[0])] == padding_idx).unsqueeze(-1)
-    return torch.where(padding, output.detach(), output)
 
 
 def _refuse_unless(ok: bool, model: nn.Module, why: str, fix: str) -> None:
@@ -128,7 +106,7 @@ def llama_plan(model: nn.Module) -> Plan:
     """The plan of ``LlamaForCausalLM`` and the models that share its module names (Mistral, Qwen2)."""
     layer = "model.layers.*."
     rules = {
-        "model.embed_tokens": TokenEmbedding(),
+        "model.embed_tokens": VocabEmbedding(),
         layer + "input_layernorm": Norm("z"),
         **{layer + f"self_attn.{p}_proj": AttentionProjection("z") for p in "qkv"},
         layer + "self_attn.o_proj": Linear("y"),
@@ -147,7 +125,7 @@ def gpt2_plan(model: nn.Module) -> Plan:
     """The plan of ``GPT2LMHeadModel``."""
     block = "transformer.h.*."
     rules = {
-        "transformer.wte": TokenEmbedding(),
+        "transformer.wte": VocabEmbedding(),
         "transformer.wpe": PositionEmbedding(),
         "transformer.drop": Dropout(),
         block + "ln_1": Norm("z"),

@@ -28,12 +28,15 @@ class VocabParallelEmbedding3D(Module3D):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, grid: Grid | None = None, device=None, dtype=None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, padding_idx: int | None = None):
         super().__init__(grid)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_size = num_embeddings if vocab_size is None else vocab_size
         if not 0 < self.vocab_size <= num_embeddings:
             raise ValueError(f"VocabParallelEmbedding3D: vocab_size {vocab_size} must be in [1, num_embeddings = {num_embeddings}]")
+        if padding_idx is not None and not 0 <= padding_idx < self.vocab_size:
+            raise ValueError(f"VocabParallelEmbedding3D: padding_idx {padding_idx} must be in [0, vocab_size = {self.vocab_size})")
+        self.padding_idx = padding_idx
         spec = linear_weight_spec(num_embeddings, embedding_dim, Layout("z"))
         self.weight = sharded_parameter(spec, self.grid, f"VocabParallelEmbedding3D({num_embeddings}, {embedding_dim}) weight", device, dtype)
         self.reset_parameters()
@@ -55,7 +58,8 @@ class VocabParallelEmbedding3D(Module3D):
         i, j = self.grid.coord("x"), self.grid.coord("y")
         rows = b // px
         vocab_start = j * (self.num_embeddings // py)
-        return vocab_parallel_embedding(ids[i * rows : (i + 1) * rows], self.weight, vocab_start, self.grid.group("x"), self.grid.group("y"))
+        return vocab_parallel_embedding(ids[i * rows : (i + 1) * rows], self.weight, vocab_start, self.grid.group("x"), self.grid.group("y"),
+                                        self.padding_idx)
 
     def extra_repr(self) -> str:
         sizes = {"vocab_size": self.vocab_size} if self.vocab_size != self.num_embeddings else {}

@@ -30,8 +30,8 @@ class PaddedEmbedding3D(VocabParallelEmbedding3D):
     """:class:`VocabParallelEmbedding3D` of ``vocab_size`` real rows stored as ``padded_vocab_size`` rows."""
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, embedding_dim: int, grid: Grid | None = None,
-                 device=None, dtype=None):
-        super().__init__(padded_vocab_size, embedding_dim, grid, device, dtype, vocab_size=vocab_size)
+                 device=None, dtype=None, padding_idx: int | None = None):
+        super().__init__(padded_vocab_size, embedding_dim, grid, device, dtype, vocab_size=vocab_size, padding_idx=padding_idx)
 
     @property
     def dense_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -5,6 +5,7 @@ The weight ``[V, h]`` lies as a z→y Linear3D weight: local ``[V/(px·py), h/pz
 batch block ``i`` that fall in that vocab block (zero for the others), and reduce-scatters over y
 on the batch dim: rank ``(i, j, l)`` ends with batch block ``(i, j)``, features ``l``.
 Backward mirrors it: all-gather dY over y, scatter-add into the vocab block, reduce-scatter over x.
+With ``padding_idx``, lookups of that id pass no gradient to its row, as in ``nn.Embedding``.
 """
 
 from __future__ import annotations
@@ -16,32 +17,35 @@ from .. import comm
 
 class _VocabParallelEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, vocab_start, group_x, group_y):
+    def forward(ctx, ids, weight, vocab_start, group_x, group_y, padding_idx):
         w_block, _ = comm.all_gather_dim0(weight, group_x)  # [V/py, h/pz]
         local = ids - vocab_start
         hit = (local >= 0) & (local < w_block.shape[0])
         local = torch.where(hit, local, torch.zeros_like(local))
         out = torch.nn.functional.embedding(local, w_block) * hit.unsqueeze(-1).to(w_block.dtype)
-        ctx.save_for_backward(local, hit)
+        learns = hit if padding_idx is None else hit & (ids != padding_idx)  # the lookups that pass a gradient
+        ctx.save_for_backward(local, learns)
         ctx.weight_shape, ctx.group_x, ctx.group_y = w_block.shape, group_x, group_y
         out, _ = comm.reduce_scatter_dim0(out, group_y)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        local, hit = ctx.saved_tensors
+        local, learns = ctx.saved_tensors
         grad_full, _ = comm.all_gather_dim0(grad, ctx.group_y)  # [b/px, s, h/pz]
-        grad_full = grad_full * hit.unsqueeze(-1).to(grad_full.dtype)
+        grad_full = grad_full * learns.unsqueeze(-1).to(grad_full.dtype)
         w_grad = grad_full.new_zeros(ctx.weight_shape)
         w_grad.index_add_(0, local.reshape(-1), grad_full.reshape(-1, grad_full.shape[-1]))
         w_grad, _ = comm.reduce_scatter_dim0(w_grad, ctx.group_x)
-        return None, w_grad, None, None, None
+        return None, w_grad, None, None, None, None
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, group_x, group_y) -> torch.Tensor:
+def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, group_x, group_y,
+                             padding_idx: int | None = None) -> torch.Tensor:
     """Look up ``ids`` ``[b/px, s]`` (this x block's sequences) in the sharded ``weight``.
 
-    ``vocab_start`` is the first token id of this rank's y vocab block (``j · V/py``).
+    ``vocab_start`` is the first token id of this rank's y vocab block (``j · V/py``); lookups of
+    ``padding_idx`` (a global token id) pass no gradient to the weight.
     Returns ``[b/(px·py), s, h/pz]`` in z-layout.
     """
-    return _VocabParallelEmbedding.apply(ids, weight, vocab_start, group_x, group_y)
+    return _VocabParallelEmbedding.apply(ids, weight, vocab_start, group_x, group_y, padding_idx)

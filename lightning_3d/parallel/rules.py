@@ -139,26 +139,29 @@ class Norm(Rule):
         return RMSNorm3D(shape[0], eps=eps, **common)
 
 
-def _check_embedding(name: str, module: nn.Module) -> None:
+def _check_embedding(name: str, module: nn.Module, padding: bool = False) -> None:
+    """Refuse what the rule cannot represent exactly (``padding``: a ``padding_idx`` is supported)."""
     if not isinstance(module, nn.Embedding):
         _refuse(name, module, "an embedding rule needs an nn.Embedding", "map it with another rule")
-    if module.padding_idx is not None or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-        _refuse(name, module, "padding_idx, max_norm, scale_grad_by_freq and sparse are not supported",
-                "build the embedding without them (padding_idx=None: the padding row then gets gradients like any other)")
+    if (module.padding_idx is not None and not padding) or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+        _refuse(name, module, f"{'' if padding else 'padding_idx, '}max_norm, scale_grad_by_freq and sparse are not supported",
+                "build the embedding without them")
 
 
 @dataclass(frozen=True)
 class VocabEmbedding(Rule):
     """``nn.Embedding(V, h)`` of token ids: full ids ``[b, ...]`` (the same on every cube rank) in,
     z-layout ``[b/(px·py), ..., h/pz]`` out. The vocabulary is padded to a multiple of
-    ``lcm(pad_to_multiple, px·py)`` rows (zeros, never looked up)."""
+    ``lcm(pad_to_multiple, px·py)`` rows (zeros, never looked up). A ``padding_idx`` is kept: its
+    lookups pass no gradient to its row, as in ``nn.Embedding``."""
 
     pad_to_multiple: int = 1
 
     def build(self, name, module, grid, options):
-        _check_embedding(name, module)
+        _check_embedding(name, module, padding=True)
         v, h = module.weight.shape
-        return PaddedEmbedding3D(v, padded_vocab_size(v, grid, self.pad_to_multiple), h, grid=grid, device=META, dtype=_dtype(module))
+        return PaddedEmbedding3D(v, padded_vocab_size(v, grid, self.pad_to_multiple), h, grid=grid, device=META, dtype=_dtype(module),
+                                 padding_idx=module.padding_idx)
 
 
 @dataclass(frozen=True)
