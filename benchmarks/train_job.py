@@ -10,10 +10,12 @@ whole job: forward of embedding, blocks, LM head and loss under bf16 mixed preci
 master weights, backward, the gradient reduction over data parallelism, clipping by the global
 gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defaults`` per GPU count):
 
-- ``3d PXxPYxPZ [dpD] [async]``: :class:`~lightning_3d.models.GPT3D` through the steps
-  ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
+- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck]``: :class:`~lightning_3d.models.GPT3D` through the
+  steps ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
   autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
-  ``async_tp=True``; ``3d auto [async]``: the grid ``grid="auto"`` picks from the model's shape.
+  ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block compiled),
+  ``nocheck`` = ``check_inputs=False`` (no token-range check); ``3d auto [async] [compile]``: the
+  grid ``grid="auto"`` picks from the model's shape.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
   sequence parallelism, each block compiled, async TP (``peers_job.py``: torchtitan's recipe).
 - ``fsdp2`` (``compile``): FSDP2 over every GPU; ``fsdp2-tp DxT`` (``compile``): FSDP2 over D × TP+SP over T.
@@ -89,6 +91,7 @@ class Method:
     tp: int = 1  # fsdp2-tp
     async_tp: bool = False
     compile: bool = False
+    check_inputs: bool = True  # 3d
 
     @classmethod
     def parse(cls, text: str, world: int) -> Method:
@@ -97,7 +100,7 @@ class Method:
         kind, opts = words[0], words[1:]
         if kind not in ("3d", "tp", "tp-sp", "fsdp2", "fsdp2-tp", "ddp"):
             raise ValueError(f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp")
-        fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts}
+        fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts, "check_inputs": "nocheck" not in opts}
         for w in opts:
             if "x" in w:
                 dims = tuple(int(d) for d in w.split("x"))
@@ -107,7 +110,7 @@ class Method:
                     fields["dp"], fields["tp"] = dims
             elif w.startswith("dp"):
                 fields["dp"] = int(w[2:])
-            elif w not in ("auto", "async", "compile"):
+            elif w not in ("auto", "async", "compile", "nocheck"):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
         if kind == "3d" and method.grid is not None and method.dp * math.prod(method.grid) != world:
@@ -120,7 +123,8 @@ class Method:
     def label(self) -> str:
         if self.kind == "3d":
             where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
-            return f"3d {where}" + (" async" if self.async_tp else "")
+            return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
+                    + ("" if self.check_inputs else " nocheck"))
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
         return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "")
 
@@ -189,7 +193,10 @@ def fused_adamw(params, run: Run) -> torch.optim.Optimizer:
 def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:
     """GPT3D through the strategy's steps: DDP over dp, global-norm clipping, bf16 autocast, AdamW."""
     grid = run.grid(method.grid, method.dp)
-    model = GPT3D(config, grid, device=run.device, options=lightning_3d.RuntimeOptions(async_tp=method.async_tp))
+    options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, compile=method.compile, check_inputs=method.check_inputs)
+    if method.compile:
+        torch._dynamo.reset()
+    model = GPT3D(config, grid, device=run.device, options=options)
     model.load_dense_state_dict(dense)
     if grid.shape[0] > 1:
         WeightPrefetch().attach(model)

@@ -26,12 +26,23 @@ class RuntimeOptions:
             (:class:`~lightning_3d.ops.matmul.WeightPrefetch`; one gathered weight of memory).
         activation_checkpointing: recompute the modules the plan names as checkpoint units in
             backward (non-reentrant ``torch.utils.checkpoint``; dropout masks are replayed).
+        compile: run each checkpoint unit (a Transformer block) through ``torch.compile``: the
+            norms, activations, residual adds and attention between its 3-D products are fused
+            by Inductor; the products, and every other step that communicates, run as they do
+            eagerly, between the compiled regions (:mod:`lightning_3d.parallel.units`).
+        check_inputs: raise on token ids and targets outside the vocabulary, as ``nn.Embedding``
+            and ``F.cross_entropy`` do (one comparison and one host sync per embedding and loss
+            call). Off, an id out of range looks up a row of zeros and a target out of range
+            adds a wrong, finite loss, silently: turn it off only where the data is known to
+            be in range, or where no host sync is allowed (CUDA graphs).
     """
 
     async_tp: bool = False
     save_gathered: bool = True
     prefetch: bool = False
     activation_checkpointing: bool = False
+    compile: bool = False
+    check_inputs: bool = True
 
     def __post_init__(self):
         for f in fields(self):  # checked, not coerced: async_tp="no" would read as True

@@ -98,6 +98,10 @@ class Module3D(nn.Module):
         super().__init__()
         self.grid = resolve_grid(grid)
         self.options = resolve_options(options)
+        if self.grid.cube_size > 1:
+            # torch.compile runs a layer that communicates as one opaque eager step (its collectives
+            # and their overlap with the products as they are); on a one-rank cube it traces it.
+            self.forward = torch.compiler.disable(self.forward)
 
     def _apply(self, fn, recurse=True):
         """Keep each parameter's ShardSpec when a conversion (``to_empty``, ``to(device)``) replaces it."""

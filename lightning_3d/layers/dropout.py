@@ -27,12 +27,18 @@ class Dropout3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        gen = torch.Generator(device=x.device)
-        gen.manual_seed((seed ^ ((rank + 1) * _MIX)) % 2**63)
-        keep = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=gen)
-        return x * keep / (1.0 - self.p)
+        return _drop(x, self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+@torch.compiler.disable
+def _drop(x: torch.Tensor, p: float) -> torch.Tensor:
+    """``x`` masked by this rank's stream (module doc); opaque to ``torch.compile``, whose own RNG would not follow the scheme."""
+    seed = int(torch.randint(0, 2**62, (1,)).item())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    gen = torch.Generator(device=x.device)
+    gen.manual_seed((seed ^ ((rank + 1) * _MIX)) % 2**63)
+    keep = torch.empty_like(x).bernoulli_(1.0 - p, generator=gen)
+    return x * keep / (1.0 - p)

@@ -23,7 +23,8 @@ class VocabParallelEmbedding3D(Module3D):
 
     Ids outside ``[0, vocab_size)`` raise ``ValueError`` on every cube rank, as in ``nn.Embedding``
     (``vocab_size`` defaults to ``num_embeddings``; a table padded for the grid, as GPT3D's, passes
-    the true size, so that the padding rows are never looked up). The first call also checks that
+    the true size, so that the padding rows are never looked up), unless
+    ``RuntimeOptions.check_inputs`` is off. The first call also checks that
     every cube rank was given the same ids (one small all-gather over the cube).
     """
 
@@ -47,7 +48,8 @@ class VocabParallelEmbedding3D(Module3D):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         agree_on_first_call(self, self.grid.group("cube"), "VocabParallelEmbedding3D input", ids=ids)
-        check_token_range(ids, self.vocab_size, "VocabParallelEmbedding3D", "token id")
+        if self.options.check_inputs:
+            check_token_range(ids, self.vocab_size, "VocabParallelEmbedding3D", "token id")
         px, py, _ = self.grid.shape
         b = ids.shape[0]
         if b % (px * py):

@@ -3,27 +3,30 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..agreement import agree_on_first_call
-from ..grid import Grid, resolve_grid
+from ..grid import Grid
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
+from ..options import RuntimeOptions
+from .base import Module3D
 
 
-class CrossEntropyLoss3D(nn.Module):
+class CrossEntropyLoss3D(Module3D):
     """Mean cross-entropy of y-layout logits ``[b/(px·pz), ..., V/py]`` against full targets ``[b, ...]``.
 
     Targets outside ``[0, vocab_size)`` other than ``ignore_index`` raise ``ValueError`` on every
     cube rank (``vocab_size`` defaults to the logits' full ``V``; pass the true size when ``V`` is
-    padded). The first call also checks that every cube rank was given the same targets.
+    padded), unless ``RuntimeOptions.check_inputs`` is off. The first call also checks that every
+    cube rank was given the same targets.
     """
 
-    def __init__(self, ignore_index: int = -100, grid: Grid | None = None, vocab_size: int | None = None):
-        super().__init__()
+    def __init__(self, ignore_index: int = -100, grid: Grid | None = None, vocab_size: int | None = None,
+                 options: RuntimeOptions | None = None):
+        super().__init__(grid, options)
         self.ignore_index = ignore_index
         self.vocab_size = vocab_size
-        self.grid = resolve_grid(grid)
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         agree_on_first_call(self, self.grid.group("cube"), "CrossEntropyLoss3D targets", targets=targets, logits=logits)
-        return vocab_parallel_cross_entropy(logits, targets, self.ignore_index, self.grid, self.vocab_size)
+        return vocab_parallel_cross_entropy(logits, targets, self.ignore_index, self.grid, self.vocab_size,
+                                            self.options.check_inputs)

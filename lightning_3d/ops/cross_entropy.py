@@ -51,7 +51,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, grid: Grid | None = None,
-    vocab_size: int | None = None,
+    vocab_size: int | None = None, check_targets: bool = True,
 ) -> torch.Tensor:
     """Mean cross-entropy over the cube's whole batch from y-layout logits and full targets.
 
@@ -60,6 +60,8 @@ def vocab_parallel_cross_entropy(
         targets: ``[b, ...]`` token ids, the same on every cube rank, each in ``[0, vocab_size)``
             or ``ignore_index``; any other value raises ``ValueError`` (as ``F.cross_entropy``).
         vocab_size: the true vocabulary when the logits' ``V`` is padded (GPT3D's); defaults to ``V``.
+        check_targets: False skips the range check (and its host sync): a target out of range
+            then adds a wrong, finite loss.
 
     Returns:
         A scalar, the same on every cube rank (fp32, or float64 for float64 logits).
@@ -74,7 +76,8 @@ def vocab_parallel_cross_entropy(
             f"expected [{b_local * grid.size(rows)}, {', '.join(map(str, logits.shape[1:-1]))}] (batch = {b_local}·px·pz)"
         )
     padded = logits.shape[-1] * grid.size(layout.feature_axis)
-    check_token_range(targets, padded if vocab_size is None else vocab_size, "vocab_parallel_cross_entropy", "target", ignore_index)
+    if check_targets:
+        check_token_range(targets, padded if vocab_size is None else vocab_size, "vocab_parallel_cross_entropy", "target", ignore_index)
     block = grid.rank_in(rows)
     targets = targets[block * b_local : (block + 1) * b_local]
     vocab_start = grid.coord(layout.feature_axis) * logits.shape[-1]

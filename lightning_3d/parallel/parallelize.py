@@ -29,7 +29,7 @@ from ..sharding import get_spec, shard_tensor
 from .hooks import attach_model_hooks
 from .norms import norm_kind
 from .plan import Plan, find_plan, matches
-from .recompute import recompute_when_enabled
+from .units import run_as_unit
 from .rules import Rule
 from .state import check_options
 
@@ -70,7 +70,7 @@ def parallelize(model: nn.Module, plan: Plan | None = None, *, grid: Grid | None
     if plan.prepare is not None:
         plan.prepare(model, grid)
     for unit in units:
-        recompute_when_enabled(unit, options)
+        run_as_unit(unit, options)
     attach_model_hooks(model, plan, grid, options)
     return model
 

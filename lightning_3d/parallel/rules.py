@@ -204,7 +204,7 @@ class Loss(Rule):
         if module.weight is not None or module.label_smoothing or module.reduction != "mean":
             _refuse(name, module, "class weights, label smoothing and reductions other than 'mean' are not supported",
                     "use nn.CrossEntropyLoss(ignore_index=...) with the defaults")
-        return CrossEntropyLoss3D(ignore_index=module.ignore_index, grid=grid, vocab_size=self.vocab_size)
+        return CrossEntropyLoss3D(ignore_index=module.ignore_index, grid=grid, vocab_size=self.vocab_size, options=options)
 
 
 @dataclass(frozen=True)

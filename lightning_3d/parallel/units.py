@@ -1,0 +1,46 @@
+"""The plan's checkpoint units (a model's Transformer blocks): recomputed and compiled as ``RuntimeOptions`` says.
+
+Compiling a unit fuses the work between its 3-D products (norms, activations, residual adds,
+rotary embeddings, attention) with Inductor, as ``torch.compile`` per block does for a dense model.
+The steps that communicate (the 3-D products, norms over split features, the gradient sums of
+replicated parameters, dropout's per-rank masks) are opaque to the compiler
+(``torch.compiler.disable``): each ends one compiled region and runs as it does eagerly, with its
+own overlap of communication and computation, before the next region starts. On a 1×1×1 cube
+nothing communicates and a unit compiles into one graph, as the dense block does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..options import RuntimeOptions
+
+
+def run_as_unit(module: nn.Module, options: RuntimeOptions) -> None:
+    """Give ``module`` a forward that follows ``options.compile`` and ``options.activation_checkpointing``.
+
+    The module keeps its class, children and state-dict keys: its instance gets a ``forward`` that
+    runs the class's, compiled (``torch.compile``, built at the first call that asks for it) while
+    ``compile`` is on, and through non-reentrant ``torch.utils.checkpoint`` (which restores the
+    RNG state, so dropout masks are replayed) while checkpointing is on and gradients are enabled.
+    """
+    forward = module.forward
+    compiled = None
+
+    @functools.wraps(forward)
+    def unit_forward(*args, **kwargs):
+        nonlocal compiled
+        run = forward
+        if options.compile:
+            if compiled is None:
+                compiled = torch.compile(forward)
+            run = compiled
+        if options.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return run(*args, **kwargs)
+
+    module.forward = unit_forward
