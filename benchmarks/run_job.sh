@@ -3,9 +3,9 @@
 #   nvlink   both models on 4 GPUs, every default case (NVLink)
 #   p2p-off  both models on 4 GPUs with NCCL_P2P_DISABLE=1 (traffic through host memory; no async cases)
 #   small    both models on 2 GPUs (GPUs 0,1) and on 1 GPU (GPU 3), side by side
-#   compile        both models on 4 GPUs: compiled 3-D blocks against the compiled peers, and the
-#                  token-range check on and off (nocheck), 10 timed steps
+#   compile        both models on 4 GPUs: compiled 3-D blocks against the compiled peers, 10 timed steps
 #   compile-small  the same on 2 GPUs (GPUs 0,1) and 1 GPU (GPU 3), side by side
+#   check          the token-range check on and off in turn (check_cost.py): 4 GPUs, then 1 GPU
 # Each torchrun gets a time budget (BUDGET_S seconds, default 200: both models of one mode fit one 10-minute call): cases that would end later are
 # recorded as not run. Results: $OUT/job_w{N}_{model}_{links}.json and log_{mode}.txt.
 set -u
@@ -15,10 +15,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 MODELS="gpt2-1.3b llama-7b"
 P2P_CASES="3d 1x2x1 dp2;3d 4x1x1;3d 2x2x1;3d auto;tp-sp compile;fsdp2 compile;3d 1x1x1 dp4;3d 2x1x1 dp2;3d 1x4x1;fsdp2-tp 2x2 compile;ddp;tp-sp;fsdp2;tp"
-COMPILE4_llama="3d 1x4x1 async compile;fsdp2 compile;3d 1x4x1 async;3d 1x4x1 async compile nocheck;3d 4x1x1 compile;3d 2x2x1 compile;fsdp2;3d 1x4x1 compile"
-COMPILE4_gpt2="3d 1x1x1 dp4 compile;ddp compile;ddp;3d 1x1x1 dp4;3d 1x1x1 dp4 compile nocheck;3d 2x2x1 compile;fsdp2 compile;3d 1x4x1 compile"
+COMPILE4_llama="3d 1x4x1 async compile;fsdp2 compile;3d 1x4x1 async;3d 4x1x1 compile;3d 2x2x1 compile;fsdp2;3d 1x4x1 compile;3d 2x2x1 async compile"
+COMPILE4_gpt2="3d 1x1x1 dp4 compile;ddp compile;ddp;3d 1x1x1 dp4;3d 2x2x1 compile;fsdp2 compile;fsdp2;3d 1x4x1 compile"
 COMPILE2="3d 2x1x1 compile;fsdp2 compile;3d 1x2x1 async compile;3d 1x1x1 dp2 compile;fsdp2;ddp compile;3d 2x1x1"
-COMPILE1="3d 1x1x1 compile;ddp compile;3d 1x1x1 compile nocheck;3d 1x1x1;ddp"
+COMPILE1="3d 1x1x1 compile;ddp compile;3d 1x1x1;ddp"
 job() {
   local n=$1; shift
   timeout $((BUDGET_S + 90)) python3 -m torch.distributed.run --standalone --nproc_per_node "$n" "$(dirname "$0")/train_job.py" \
@@ -41,6 +41,15 @@ for mode in "$@"; do
       (for m in $MODELS; do CUDA_VISIBLE_DEVICES=0,1 job 2 --model "$m" --steps 10 --cases "$COMPILE2"; done > "$OUT/log_w2.txt" 2>&1) &
       wait
       cat "$OUT/log_w1.txt" "$OUT/log_w2.txt" > "$OUT/log_compile-small.txt" && rm "$OUT/log_w1.txt" "$OUT/log_w2.txt" ;;
-    *) echo "unknown mode $mode: use nvlink, p2p-off, small, compile or compile-small" >&2; exit 2 ;;
+    check)
+      (for c in "llama-7b|3d 1x4x1 async compile" "llama-7b|3d 1x4x1 async" "gpt2-1.3b|3d 1x1x1 dp4"; do
+         timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 4 "$(dirname "$0")/check_cost.py" \
+           --model "${c%%|*}" --case "${c#*|}" --out "$OUT"
+       done
+       for m in $MODELS; do
+         CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 1 "$(dirname "$0")/check_cost.py" \
+           --model "$m" --case "3d 1x1x1" --out "$OUT"
+       done) 2>&1 | tee "$OUT/log_check.txt" ;;
+    *) echo "unknown mode $mode: use nvlink, p2p-off, small, compile, compile-small or check" >&2; exit 2 ;;
   esac
 done

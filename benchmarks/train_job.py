@@ -21,7 +21,9 @@ gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defa
 - ``fsdp2`` (``compile``): FSDP2 over every GPU; ``fsdp2-tp DxT`` (``compile``): FSDP2 over D × TP+SP over T.
 - ``ddp`` (``compile``): plain data parallelism (one GPU: the dense model alone).
 
-Reported per case: median step ms over the timed steps (CUDA events, max over ranks), tokens/s,
+Python's automatic garbage collection is off during the steps of every case, as torchtitan
+trains (it collects every ``gc_freq`` steps instead): collections inside steps made compiled cases
+1.3–2× slower and erratic at GPT-2 shapes. Reported per case: median step ms over the timed steps (CUDA events, max over ranks), tokens/s,
 TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
 (``max_memory_allocated`` during the steps above what was allocated before the model was built,
 max over ranks), the first step's time (compilation included) and the loss of the first three
@@ -216,7 +218,7 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
 
     per = batch // method.dp
     d = grid.coord("dp")
-    return Job(step, slice(d * per, (d + 1) * per), grid.group("dp") if method.dp > 1 else None, {"grid": list(grid.shape), "dp": method.dp})
+    return Job(step, slice(d * per, (d + 1) * per), grid.group("dp") if method.dp > 1 else None, {"options": options})
 
 
 def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:
@@ -304,6 +306,8 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
     build_s = time.perf_counter() - t0
     timer = measure.Timer(run.device)
     times, losses = [], []
+    gc.collect()
+    gc.disable()  # as torchtitan trains: no automatic collection inside steps (its gc_freq collects between them)
     for i in range(warmup + steps):
         ids, targets = (t[job.rows] for t in data[i % len(data)])
         timer.mark()
@@ -313,6 +317,7 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
         if i < LOSS_STEPS:
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             losses.append(loss.detach().float().reshape(()))
+    gc.enable()
     peak = (torch.cuda.max_memory_allocated(run.device) - base) / 2**30 if cuda else 0.0
     loss_t = torch.stack(losses).to(run.device)
     if job.loss_group is not None:
