@@ -5,7 +5,8 @@
 #   small    both models on 2 GPUs (GPUs 0,1) and on 1 GPU (GPU 3), side by side
 #   compile        both models on 4 GPUs: compiled 3-D blocks against the compiled peers, 10 timed steps
 #   compile-small  the same on 2 GPUs (GPUs 0,1) and 1 GPU (GPU 3), side by side
-#   check          the token-range check on and off in turn (check_cost.py): 4 GPUs, then 1 GPU
+#   check          the token-range check on and off in turn (check_cost.py) on 4 GPUs
+#   check1         the same on 1 GPU (GPU 2: it can run beside compile-small)
 # Each torchrun gets a time budget (BUDGET_S seconds, default 200: both models of one mode fit one 10-minute call): cases that would end later are
 # recorded as not run. Results: $OUT/job_w{N}_{model}_{links}.json and log_{mode}.txt.
 set -u
@@ -42,14 +43,15 @@ for mode in "$@"; do
       wait
       cat "$OUT/log_w1.txt" "$OUT/log_w2.txt" > "$OUT/log_compile-small.txt" && rm "$OUT/log_w1.txt" "$OUT/log_w2.txt" ;;
     check)
-      (for c in "llama-7b|3d 1x4x1 async compile" "llama-7b|3d 1x4x1 async" "gpt2-1.3b|3d 1x1x1 dp4"; do
-         timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 4 "$(dirname "$0")/check_cost.py" \
-           --model "${c%%|*}" --case "${c#*|}" --out "$OUT"
-       done
-       for m in $MODELS; do
-         CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 1 "$(dirname "$0")/check_cost.py" \
-           --model "$m" --case "3d 1x1x1" --out "$OUT"
-       done) 2>&1 | tee "$OUT/log_check.txt" ;;
-    *) echo "unknown mode $mode: use nvlink, p2p-off, small, compile, compile-small or check" >&2; exit 2 ;;
+      for c in "llama-7b|3d 1x4x1 async compile" "llama-7b|3d 1x4x1 async" "gpt2-1.3b|3d 1x1x1 dp4"; do
+        timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 4 "$(dirname "$0")/check_cost.py" \
+          --model "${c%%|*}" --case "${c#*|}" --out "$OUT"
+      done 2>&1 | tee "$OUT/log_check.txt" ;;
+    check1)
+      for m in $MODELS; do
+        CUDA_VISIBLE_DEVICES=2 timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 1 "$(dirname "$0")/check_cost.py" \
+          --model "$m" --case "3d 1x1x1" --out "$OUT"
+      done > "$OUT/log_check1.txt" 2>&1 ;;
+    *) echo "unknown mode $mode: use nvlink, p2p-off, small, compile, compile-small, check or check1" >&2; exit 2 ;;
   esac
 done
