@@ -3,6 +3,7 @@ the grid or on a batch, and arguments of the wrong type. Each raises a clear err
 within seconds, instead of a wrong loss, a hang or an abort of some ranks."""
 
 import datetime
+import math
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from lightning_3d import (CrossEntropyLoss3D, Linear3D, VocabParallelEmbedding3D
                           split_activation)
 from lightning_3d.models import GPT3D, GPTConfig
 from lightning_3d.options import RuntimeOptions
+from lightning_3d.parallel import set_options
 from lightning_3d.strategy import grid_rules
 
 FAST = 30  # seconds: a hang would be cut at the workers' 60 s collective timeout
@@ -52,6 +54,8 @@ def out_of_range_job():
     bad[2, 1] = 55  # inside the padded table of 64 rows, outside the vocabulary of 50
     msgs["gpt_id"] = _error(lambda: model(bad))
     msgs["gpt_target"] = _error(lambda: model(ids % 50, bad))
+    set_options(model, check_inputs=False)  # the check skipped: the same bad ids pass, every rank alike
+    msgs["unchecked_loss"] = float(model(bad, ids % 50))
     return msgs
 
 
@@ -64,6 +68,7 @@ def test_ids_and_targets_out_of_range_raise_on_every_rank():
         assert m["ignored_ok"]
         assert "token id 55 at index (2, 1) of [4, 5] is outside [0, 50)" in m["gpt_id"], m
         assert "target 55 at index (11,) of [20] is outside [0, 50)" in m["gpt_target"], m  # GPT3D flattens [4, 5]
+        assert math.isfinite(m["unchecked_loss"]), m
 
 
 # ----- ranks that disagree -----

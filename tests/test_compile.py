@@ -1,0 +1,72 @@
+"""``RuntimeOptions(compile=True)``: GPT3D with its blocks compiled equals DenseGPT (float64) on every grid.
+
+The communicating 3-D layers run eagerly between the compiled regions; on a 1×1×1 cube a block
+compiles into one graph. Each job starts from a fresh compiler cache and fails unless graphs were
+really compiled and none of them fell back to eager at the recompile limit.
+"""
+
+import torch
+
+import harness
+from checks import assert_close, on_grids, rel
+from lightning_3d.options import RuntimeOptions
+from lightning_3d.sharding import get_spec, unshard_tensor
+from test_gpt import STYLES, batch, config, equivalence, pair
+
+
+def _compiled(errs: dict, breaks_allowed: bool) -> dict:
+    """Add the checks that compilation happened: graphs captured, no eager fallback, no break on a one-rank cube."""
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    errs["graphs_compiled"] = float(graphs == 0)
+    errs["no_recompile_limit"] = float(any("recompile limit" in k.lower() for k in counters["unimplemented"]))
+    if not breaks_allowed:
+        errs["one_graph_per_block"] = float(sum(counters["graph_break"].values()) != 0)
+    return errs
+
+
+def _fresh_compiler() -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def compiled_job(grid):
+    """Logits, loss and every gradient of the compiled GPT3D against DenseGPT, for both styles."""
+    errs = {}
+    for style in STYLES:
+        _fresh_compiler()
+        errs.update(_compiled(equivalence(grid, style, RuntimeOptions(compile=True)), breaks_allowed=grid.cube_size > 1))
+    return {f"compiled_{k}": e for k, e in errs.items()}
+
+
+def compiled_checkpointing_job(grid):
+    """Compiled and recomputed blocks with dropout: the loss and gradients of the eager model with the same masks."""
+    _fresh_compiler()
+    _, model = pair(grid, config("llama", dropout=0.2), 3)
+    idx, targets = batch(grid, 4)
+    runs = []
+    for compiled in (False, True):
+        model.zero_grad()
+        model.options.compile = model.options.activation_checkpointing = compiled
+        torch.manual_seed(5)
+        loss = model(idx, targets)
+        loss.backward()
+        runs.append((loss.detach(), [unshard_tensor(p.grad, get_spec(p), grid) for p in model.parameters()]))
+    (loss0, grads0), (loss1, grads1) = runs
+    errs = {"loss": rel(loss1, loss0), **{f"grad{n}": rel(g1, g0) for n, (g0, g1) in enumerate(zip(grads0, grads1))}}
+    return _compiled(errs, breaks_allowed=True)
+
+
+def test_compiled_gpt3d_equals_dense_on_grids():
+    assert_close(harness.run(4, on_grids, [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)], compiled_job), tol=1e-9)
+
+
+def test_compiled_gpt3d_equals_dense_on_2x2x2():
+    assert_close(harness.run(8, on_grids, [(2, 2, 2)], compiled_job), tol=1e-9)
+
+
+def test_compiled_blocks_with_checkpointing_and_dropout():
+    assert_close(harness.run(4, on_grids, [(1, 2, 1), (1, 1, 1)], compiled_checkpointing_job), tol=1e-9)
