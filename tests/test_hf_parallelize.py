@@ -319,7 +319,8 @@ def test_deepspeed_initialize_step():
 
 
 def checkpointing(grid) -> dict:
-    """With activation checkpointing on (the plan's decoder layers recomputed), the same loss and gradients."""
+    """With activation checkpointing on (the plan's decoder layers recomputed), and with them compiled
+    (``RuntimeOptions.compile``), the same loss and gradients."""
     from lightning_3d.parallel import parallelize, set_options
 
     model = parallelize(perturbed(MODELS["gpt2"], 10), grid=grid)
@@ -327,8 +328,8 @@ def checkpointing(grid) -> dict:
     calls = []
     model.transformer.h[0].ln_1.register_forward_pre_hook(lambda *_: calls.append(1))  # inside the unit: run again in recomputation
     runs = []
-    for on in (False, True):
-        set_options(model, activation_checkpointing=on)
+    for recompute, compiled in ((False, False), (True, False), (False, True)):
+        set_options(model, activation_checkpointing=recompute, compile=compiled)
         model.zero_grad()
         calls.clear()
         loss = model(**call).loss
@@ -336,15 +337,16 @@ def checkpointing(grid) -> dict:
         runs.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
         runs[-1].append(len(calls))
     *tensors, counts = zip(*runs)
-    errs = {f"checkpointing_{i}": rel(b, a) for i, (a, b) in enumerate(tensors) if a.norm() > 0}
-    return {**errs, "checkpointing_recomputed": float(counts != (1, 2))}
+    errs = {f"{what}_{i}": rel(t[k], t[0]) for k, what in ((1, "checkpointing"), (2, "compiled"))
+            for i, t in enumerate(tensors) if t[0].norm() > 0}
+    return {**errs, "checkpointing_recomputed": float(counts[:2] != (1, 2))}
 
 
 def export_and_bf16_job(grid, folder: str) -> dict:
     return {**export(grid, folder), **bf16_step(grid), **checkpointing(grid)}
 
 
-def test_save_pretrained_bf16_autocast_and_checkpointing(tmp_path):
+def test_save_pretrained_bf16_autocast_checkpointing_and_compile(tmp_path):
     assert_within_tolerances(harness.run(8, on_grids, [(2, 2, 2)], export_and_bf16_job, str(tmp_path)))
 
 
