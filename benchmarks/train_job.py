@@ -197,7 +197,7 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
     grid = run.grid(method.grid, method.dp)
     options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, compile=method.compile, check_inputs=method.check_inputs)
     if method.compile:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     model = GPT3D(config, grid, device=run.device, options=options)
     model.load_dense_state_dict(dense)
     if grid.shape[0] > 1:
@@ -243,7 +243,7 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
         if method.async_tp:
             peers_job.enable_async_tp(tp_mesh)
     if method.compile:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         peers_job.apply_compile(model)
     if dp_mesh is not None:
         peers_job.apply_fsdp(model, dp_mesh)

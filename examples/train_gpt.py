@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_3d import (
+    RuntimeOptions,
     Tensor3DStrategy,  # the class of whichever Lightning package is installed
 )
 from lightning_3d.checkpoint import latest_complete
@@ -101,7 +102,8 @@ class StdlibText(pl.LightningDataModule):
 class ByteGPT(pl.LightningModule):
     """GPT3D on bytes; the 3-D layers are built in ``configure_model`` on the strategy's grid."""
 
-    def __init__(self, n_layer: int, n_head: int, n_embd: int, seq_len: int, dropout: float, lr: float, warmup: int, max_steps: int):
+    def __init__(self, n_layer: int, n_head: int, n_embd: int, seq_len: int, dropout: float, lr: float, warmup: int, max_steps: int,
+                 compile: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.model: GPT3D | None = None
@@ -113,7 +115,7 @@ class ByteGPT(pl.LightningModule):
         if self.model is None:
             hp = self.hparams
             config = GPTConfig(vocab_size=256, block_size=hp.seq_len, n_layer=hp.n_layer, n_head=hp.n_head, n_embd=hp.n_embd, dropout=hp.dropout)
-            self.model = GPT3D(config, grid=self.grid)
+            self.model = GPT3D(config, grid=self.grid, options=RuntimeOptions(compile=hp.compile))
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         return self.model(batch[:, :-1], batch[:, 1:])
@@ -185,6 +187,7 @@ def run_parser(description: str, out: str) -> argparse.ArgumentParser:
     p.add_argument("--val-windows", type=int, default=64, help="validation sequences")
     p.add_argument("--seed", type=int, default=1337, help="seed of the model init and the data order")
     p.add_argument("--async-tp", action="store_true", help="collective matmuls over symmetric memory (GPUs of one NVLink domain)")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (RuntimeOptions.compile)")
     return p
 
 
@@ -223,7 +226,8 @@ def main() -> None:
         callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
                    TokensPerSecond(args.batch_size * args.seq_len)],
     )
-    model = ByteGPT(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.dropout, args.lr, args.warmup, args.max_steps)
+    model = ByteGPT(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.dropout, args.lr, args.warmup, args.max_steps,
+                    args.compile)
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
     ckpt_path = newest_checkpoint(out / "checkpoints") if args.resume else None
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)

@@ -29,7 +29,7 @@ def _compiled(errs: dict, breaks_allowed: bool) -> dict:
 def _fresh_compiler() -> None:
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     counters.clear()
 
 
