@@ -166,13 +166,17 @@ def kernel_timeline(trace_path: str) -> dict:
     with opener(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
     moving, computing, other = [], [], []
+    by_name: dict[str, float] = {}
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             span = (e["ts"], e["ts"] + e["dur"])
             (moving if _is_comm(e) else other if e["cat"] == "gpu_memset" else computing).append(span)
+            by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"] / 1e3
     moving_u, computing_u = _union(moving), _union(computing)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
     return {"exposed_comm_ms": _minus(moving_u, computing_u) / 1e3, "comm_ms": _length(moving_u) / 1e3,
-            "busy_ms": _length(_union(moving + computing + other)) / 1e3, "kernels": len(moving) + len(computing) + len(other)}
+            "busy_ms": _length(_union(moving + computing + other)) / 1e3, "kernels": len(moving) + len(computing) + len(other),
+            "top_kernels_ms": [[name, round(ms, 3)] for name, ms in top]}
 
 
 def profile_steps(step, steps: int, trace_path: str) -> dict:

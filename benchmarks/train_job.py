@@ -10,11 +10,12 @@ whole job: forward of embedding, blocks, LM head and loss under bf16 mixed preci
 master weights, backward, the gradient reduction over data parallelism, clipping by the global
 gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defaults`` per GPU count):
 
-- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck]``: :class:`~lightning_3d.models.GPT3D` through the
+- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather]``: :class:`~lightning_3d.models.GPT3D` through the
   steps ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
   autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
   ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block compiled),
-  ``nocheck`` = ``check_inputs=False`` (no token-range check); ``3d auto [async] [compile]``: the
+  ``nocheck`` = ``check_inputs=False`` (no token-range check), ``regather`` = ``save_gathered=False``
+  (gathered operands re-gathered in backward, not kept); ``3d auto [async] [compile]``: the
   grid ``grid="auto"`` picks from the model's shape.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
   sequence parallelism, each block compiled, async TP (``peers_job.py``: torchtitan's recipe).
@@ -23,7 +24,8 @@ gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defa
 
 Python's automatic garbage collection is off during the steps of every case, as torchtitan
 trains (it collects every ``gc_freq`` steps instead): collections inside steps made compiled cases
-1.3–2× slower and erratic at GPT-2 shapes. Reported per case: median step ms over the timed steps (CUDA events, max over ranks), tokens/s,
+1.3–2× slower and erratic at GPT-2 shapes. ``--profile`` adds, for the cases it names, the GPU timeline of two more steps on rank 0 (busy
+time, communication, communication not hidden by compute, the longest kernels). Reported per case: median step ms over the timed steps (CUDA events, max over ranks), tokens/s,
 TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
 (``max_memory_allocated`` during the steps above what was allocated before the model was built,
 max over ranks), the first step's time (compilation included) and the loss of the first three
@@ -94,6 +96,7 @@ class Method:
     async_tp: bool = False
     compile: bool = False
     check_inputs: bool = True  # 3d
+    save_gathered: bool = True  # 3d
 
     @classmethod
     def parse(cls, text: str, world: int) -> Method:
@@ -102,7 +105,8 @@ class Method:
         kind, opts = words[0], words[1:]
         if kind not in ("3d", "tp", "tp-sp", "fsdp2", "fsdp2-tp", "ddp"):
             raise ValueError(f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp")
-        fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts, "check_inputs": "nocheck" not in opts}
+        fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts, "check_inputs": "nocheck" not in opts,
+                  "save_gathered": "regather" not in opts}
         for w in opts:
             if "x" in w:
                 dims = tuple(int(d) for d in w.split("x"))
@@ -112,7 +116,7 @@ class Method:
                     fields["dp"], fields["tp"] = dims
             elif w.startswith("dp"):
                 fields["dp"] = int(w[2:])
-            elif w not in ("auto", "async", "compile", "nocheck"):
+            elif w not in ("auto", "async", "compile", "nocheck", "regather"):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
         if kind == "3d" and method.grid is not None and method.dp * math.prod(method.grid) != world:
@@ -126,7 +130,7 @@ class Method:
         if self.kind == "3d":
             where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
             return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
-                    + ("" if self.check_inputs else " nocheck"))
+                    + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather"))
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
         return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "")
 
@@ -195,7 +199,8 @@ def fused_adamw(params, run: Run) -> torch.optim.Optimizer:
 def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:
     """GPT3D through the strategy's steps: DDP over dp, global-norm clipping, bf16 autocast, AdamW."""
     grid = run.grid(method.grid, method.dp)
-    options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, compile=method.compile, check_inputs=method.check_inputs)
+    options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, compile=method.compile, check_inputs=method.check_inputs,
+                                          save_gathered=method.save_gathered)
     if method.compile:
         torch.compiler.reset()
     model = GPT3D(config, grid, device=run.device, options=options)
@@ -291,7 +296,8 @@ def free_memory(run: Run) -> None:
         torch.cuda.empty_cache()
 
 
-def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data, batch: int, seq: int, warmup: int, steps: int) -> dict:
+def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data, batch: int, seq: int, warmup: int, steps: int,
+             profile: bool = False) -> dict:
     free_memory(run)
     cuda = not run.cpu
     base = torch.cuda.memory_allocated(run.device) if cuda else 0
@@ -317,6 +323,11 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
         if i < LOSS_STEPS:
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             losses.append(loss.detach().float().reshape(()))
+    timeline = None
+    if profile:  # GPU time of 2 more steps: busy, communication, communication no compute hides, the longest kernels
+        ids, targets = (t[job.rows] for t in data[0])
+        trace = os.path.join("/tmp", f"train_job_trace_rank{run.rank}.json.gz")
+        timeline = measure.profile_steps(lambda: job.step(ids, targets), 2, trace)
     gc.enable()
     peak = (torch.cuda.max_memory_allocated(run.device) - base) / 2**30 if cuda else 0.0
     loss_t = torch.stack(losses).to(run.device)
@@ -326,8 +337,11 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
     median, first, peak = measure.all_reduce_max([statistics.median(times[warmup:]), times[0], peak], run.device)
     del job
     free_memory(run)
-    return {"step_ms": median, "first_step_s": first / 1e3, "build_s": build_s, "peak_GiB": peak, "losses": loss_t.tolist(),
-            "step_ms_each": times}
+    result = {"step_ms": median, "first_step_s": first / 1e3, "build_s": build_s, "peak_GiB": peak, "losses": loss_t.tolist(),
+              "step_ms_each": times}
+    if timeline is not None:
+        result["profile_rank0_2_steps"] = timeline
+    return result
 
 
 def agreed(ok: bool, run: Run) -> bool:
@@ -348,6 +362,7 @@ def main() -> None:
                         help="a tag for the links; p2p-off (NCCL_P2P_DISABLE=1) drops async cases: symmetric memory bypasses NCCL's setting")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--profile", default="", help="';'-separated cases also profiled for 2 steps after timing (CUDA)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no case that would end after this many seconds")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -365,6 +380,7 @@ def main() -> None:
     warmup, steps = args.warmup or (2 if cpu else 3), args.steps or (2 if cpu else 6)
     texts = DEFAULT_CASES[run.world] if args.cases == "defaults" else [t.strip() for t in args.cases.split(";") if t.strip()]
     methods = [Method.parse(t, run.world) for t in texts]
+    profiled = {t.strip() for t in args.profile.split(";") if t.strip()} if not cpu else set()
     if args.links == "p2p-off":
         methods = [m for m in methods if not m.async_tp]
 
@@ -426,7 +442,7 @@ def main() -> None:
         t0 = time.perf_counter()
         error = None
         try:
-            result = run_case(run, method, config, dense_cpu, data, batch, seq, warmup, steps)
+            result = run_case(run, method, config, dense_cpu, data, batch, seq, warmup, steps, profile=label in profiled)
         except Exception as e:  # a case that fails (out of memory, a peer's limits) is recorded, the rest still run
             error = f"{type(e).__name__}: {str(e)[:400]}"
             result = {}
