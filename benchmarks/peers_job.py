@@ -40,9 +40,9 @@ from lightning_3d.models.mlp import mlp_activation
 class PeerAttention(nn.Module):
     def __init__(self, config: GPTConfig, **factory):
         super().__init__()
-        h = config.n_embd
+        h, kv = config.n_embd, config.n_kv_head * config.head_dim
         self.head_dim = config.head_dim
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(h, h, bias=config.bias, **factory) for _ in range(4))
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(h, out, bias=config.bias, **factory) for out in (h, kv, kv, h))
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         return self.wo(causal_attention(self.wq(x), self.wk(x), self.wv(x), self.head_dim, rope))
@@ -103,6 +103,14 @@ class PeerGPT(nn.Module):
         return self.output(self.norm(x))
 
 
+def split_qkv(packed: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DenseGPT's ``c_attn`` rows (query slots, k, v) → q with its heads in order (head ``t·r + g`` of
+    slot ``g``, row ``t``: torchtitan's and Llama's pairing with key/value head ``t``), k, v."""
+    r, kv, d = config.queries_per_kv, config.n_kv_head, config.head_dim
+    q, k, v = packed.split([r * kv * d, kv * d, kv * d])
+    return q.unflatten(0, (r, kv, d)).transpose(0, 1).flatten(0, 2), k, v
+
+
 def peer_state_dict(dense: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """A :class:`DenseGPT` state dict (untied) under :class:`PeerGPT`'s keys, fused weights split."""
     out = {"tok_embeddings.weight": dense["transformer.wte.weight"], "output.weight": dense["lm_head.weight"]}
@@ -116,7 +124,7 @@ def peer_state_dict(dense: dict[str, torch.Tensor], config: GPTConfig) -> dict[s
         for part in parts:
             out[dst + f"attention_norm.{part}"] = dense[src + f"ln_1.{part}"]
             out[dst + f"ffn_norm.{part}"] = dense[src + f"ln_2.{part}"]
-            for name, t in zip(("wq", "wk", "wv"), dense[src + f"attn.c_attn.{part}"].chunk(3)):
+            for name, t in zip(("wq", "wk", "wv"), split_qkv(dense[src + f"attn.c_attn.{part}"], config)):
                 out[dst + f"attention.{name}.{part}"] = t
             out[dst + f"attention.wo.{part}"] = dense[src + f"attn.c_proj.{part}"]
             fc = dense[src + f"mlp.c_fc.{part}"]

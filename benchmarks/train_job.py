@@ -67,9 +67,10 @@ from lightning_3d.strategy import grid_rules  # noqa: E402
 # name → (GPTConfig fields, global batch, sequence length)
 MODELS = {
     "gpt2-1.3b": (dict(style="gpt2", vocab_size=50304, n_embd=2048, n_head=16, n_layer=24), 8, 2048),
-    "llama-7b": (dict(style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_layer=8, ffn_hidden=11008), 8, 2048),
+    "llama-7b": (dict(style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_kv_head=8, n_layer=8, ffn_hidden=11008), 8, 2048),
+    "llama-7b-mha": (dict(style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_layer=8, ffn_hidden=11008), 8, 2048),
     "tiny-gpt2": (dict(style="gpt2", vocab_size=128, n_embd=32, n_head=4, n_layer=2), 8, 16),
-    "tiny-llama": (dict(style="llama", vocab_size=128, n_embd=32, n_head=4, n_layer=2, ffn_hidden=48), 8, 16),
+    "tiny-llama": (dict(style="llama", vocab_size=128, n_embd=32, n_head=8, n_kv_head=4, n_layer=2, ffn_hidden=48), 8, 16),
 }
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 LOSS_STEPS = 3
@@ -182,7 +183,8 @@ def step_flops(config: GPTConfig, batch: int, seq: int) -> float:
     """Forward + backward FLOPs of one step: 3 × (2 · tokens · matmul weights + the attention scores)."""
     h, f, L = config.n_embd, config.ffn_hidden, config.n_layer
     mlp = (3 if config.style == "llama" else 2) * h * f
-    weights = L * (4 * h * h + mlp) + config.vocab_size * h
+    attention = 2 * h * h + 2 * h * config.n_kv_head * config.head_dim  # q and out; k and v (fewer with GQA)
+    weights = L * (attention + mlp) + config.vocab_size * h
     return 3 * (2 * batch * seq * weights + L * 4 * batch * seq * seq * h)
 
 

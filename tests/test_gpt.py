@@ -16,12 +16,13 @@ from lightning_3d.sharding import get_spec, unshard_tensor
 V, B, S = 50, 4, 8
 BASE = dict(vocab_size=V, block_size=12, n_layer=2, n_head=4, n_embd=16)
 STYLES = {"gpt2": dict(style="gpt2"), "llama": dict(style="llama", tie_embeddings=False, ffn_hidden=24)}
+GQA = dict(style="llama", tie_embeddings=False, ffn_hidden=24, n_kv_head=2)  # 2 query heads per key/value head
 GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 2, 2)]  # in a world of 8: dp = 8, 4, 2, 1
 F64 = torch.float64
 
 
 def config(style, **kw) -> GPTConfig:
-    return GPTConfig(**{**BASE, **STYLES[style], **kw})
+    return GPTConfig(**{**BASE, **(GQA if style == "gqa" else STYLES[style]), **kw})
 
 
 def pair(grid, cfg, seed, dtype=F64, options=None):
@@ -121,6 +122,56 @@ def test_gpt3d_equals_dense_with_async_tp():
     assert_close(harness.run(8, on_grids, GRIDS_8, async_tp_job), tol=1e-9)
 
 
+def gqa_job(grid):
+    """Grouped-query attention (2 query heads per key/value head), eager and with collective matmuls."""
+    errs = equivalence(grid, "gqa")
+    errs.update({f"async_{k}": e for k, e in equivalence(grid, "gqa", RuntimeOptions(async_tp=True)).items()})
+    return errs
+
+
+def test_gpt3d_with_grouped_query_attention_equals_dense_on_grids():
+    assert_close(harness.run(8, on_grids, GRIDS_8, gqa_job), tol=1e-9)
+
+
+def test_dense_grouped_query_attention_equals_hf_llama():
+    """DenseGPT's packing of query slots computes what transformers' Llama computes with the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = config("gqa")
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=12,
+                                      rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
+                                      attn_implementation="eager")).to(F64).eval()
+    torch.manual_seed(12)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    r, d = cfg.queries_per_kv, cfg.head_dim
+    hs = hf.state_dict()
+    state = {"transformer.wte.weight": hs["model.embed_tokens.weight"], "transformer.ln_f.weight": hs["model.norm.weight"],
+             "lm_head.weight": hs["lm_head.weight"]}
+    for i in range(cfg.n_layer):
+        src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
+        q = hs[src + "self_attn.q_proj.weight"].unflatten(0, (cfg.n_kv_head, r, d)).transpose(0, 1).flatten(0, 2)  # HF head t·r+g → slot g, row t
+        state.update({
+            dst + "attn.c_attn.weight": torch.cat([q, hs[src + "self_attn.k_proj.weight"], hs[src + "self_attn.v_proj.weight"]]),
+            dst + "attn.c_proj.weight": hs[src + "self_attn.o_proj.weight"],
+            dst + "mlp.c_fc.weight": torch.cat([hs[src + "mlp.gate_proj.weight"], hs[src + "mlp.up_proj.weight"]]),
+            dst + "mlp.c_proj.weight": hs[src + "mlp.down_proj.weight"],
+            dst + "ln_1.weight": hs[src + "input_layernorm.weight"], dst + "ln_2.weight": hs[src + "post_attention_layernorm.weight"],
+        })
+    dense = DenseGPT(cfg, dtype=F64)
+    dense.load_state_dict(state)
+    idx = torch.randint(0, V, (B, S))
+    with torch.no_grad():
+        assert rel(dense(idx), hf(idx, use_cache=False).logits) < 1e-6  # transformers computes RoPE's angles in float32
+        state["transformer.h.0.attn.c_attn.weight"] = torch.cat([hs["model.layers.0.self_attn.q_proj.weight"],
+                                                                  hs["model.layers.0.self_attn.k_proj.weight"],
+                                                                  hs["model.layers.0.self_attn.v_proj.weight"]])
+        dense.load_state_dict(state)  # query heads left in transformers' order: the pairing with kv heads differs
+        assert rel(dense(idx), hf(idx, use_cache=False).logits) > 1e-3
+
+
 def test_gpt3d_equals_dense_on_2x1x1_with_dp2():
     assert_close(harness.run(4, on_grids, [(2, 1, 1)], model_job), tol=1e-9)
 
@@ -206,6 +257,7 @@ def errors_job(grid):
     model = GPT3D(config("gpt2"), grid, dtype=F64)
     return {
         "heads": value_error(lambda: GPT3D(GPTConfig(**{**BASE, "n_head": 1, "n_embd": 16}), grid)),
+        "kv_heads": value_error(lambda: GPT3D(config("llama", n_kv_head=1), grid)),
         "width": value_error(lambda: GPT3D(GPTConfig(**{**BASE, "n_head": 2, "n_embd": 18}), grid)),
         "ffn": value_error(lambda: GPT3D(config("llama", ffn_hidden=18), grid)),
         "batch": value_error(lambda: model(torch.zeros(2, S, dtype=torch.long))),
@@ -218,6 +270,7 @@ def test_checks_raise_value_errors_with_numbers_and_fix():
     msgs = harness.run(8, on_grids, [(2, 2, 2)], errors_job)[0][(2, 2, 2)]
     expected = {
         "heads": ["n_head = 1", "py", "= 2", "multiple of 2"],
+        "kv_heads": ["n_kv_head = 1", "py", "= 2", "multiple of 2"],
         "width": ["n_embd = 18", "px·py", "= 4", "multiple of 4"],
         "ffn": ["ffn_hidden = 18", "multiple of 4"],
         "batch": ["batch 2", "px·py = 4", "px·pz = 4", "multiple of 4"],
@@ -226,7 +279,8 @@ def test_checks_raise_value_errors_with_numbers_and_fix():
     }
     for what, parts in expected.items():
         assert all(p in msgs[what] for p in parts), f"{what}: {msgs[what]!r} lacks one of {parts}"
-    for bad, fix in [(dict(style="bert"), "style"), (dict(n_embd=18), "n_head"), (dict(n_embd=12, n_head=4, style="llama"), "even")]:
+    for bad, fix in [(dict(style="bert"), "style"), (dict(n_embd=18), "n_head"), (dict(n_embd=12, n_head=4, style="llama"), "even"),
+                     (dict(n_kv_head=3), "divisors of 4")]:
         with pytest.raises(ValueError, match=fix):
             GPTConfig(**{**BASE, **bad})
 

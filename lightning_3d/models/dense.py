@@ -2,7 +2,11 @@
 
 nanoGPT's structure and state-dict keys. Fused weights: ``attn.c_attn.weight`` ``[3h, h]`` stacks
 q, k, v (each ``[h, h]``, heads in order); for llama, ``mlp.c_fc.weight`` ``[2·ffn, h]`` stacks gate
-and up. With ``tie_embeddings`` the head's weight is the token embedding's (``lm_head.weight`` and
+and up. With grouped-query attention (``r = n_head / n_kv_head`` query heads per key/value head),
+``c_attn.weight`` ``[(r + 2)·n_kv·d, h]`` stacks r query slots, then k, then v, each
+``[n_kv·d, h]``: slot ``g`` holds the query heads ``t·r + g`` for ``t = 0 … n_kv−1`` (those of
+key/value head ``t``). Every slot splits over y like k and v, so a y rank holds whole query
+groups with their key/value heads. With ``tie_embeddings`` the head's weight is the token embedding's (``lm_head.weight`` and
 ``transformer.wte.weight`` are one parameter, under both keys, as in Hugging Face's GPT-2).
 
 Every module works on whatever part of the activation it is given, so the same code runs
@@ -52,13 +56,17 @@ class DenseAttention(nn.Module):
     def __init__(self, config: GPTConfig, **factory):
         super().__init__()
         h = config.n_embd
-        self.head_dim = config.head_dim
-        self.c_attn = nn.Linear(h, 3 * h, bias=config.bias, **factory)
+        self.head_dim, self.queries_per_kv = config.head_dim, config.queries_per_kv
+        self.c_attn = nn.Linear(h, (config.queries_per_kv + 2) * config.n_kv_head * config.head_dim, bias=config.bias, **factory)
         self.c_proj = nn.Linear(h, h, bias=config.bias, **factory)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        q, k, v = self.c_attn(x).chunk(3, -1)
+        r = self.queries_per_kv
+        slots = self.c_attn(x).unflatten(-1, (r + 2, -1))  # [b, s, r + 2, kv_heads·d]: r query slots, k, v
+        # query head (t, g) of slot g, key/value head t → order t·r + g, the order causal_attention pairs
+        q = slots[..., :r, :].unflatten(-1, (-1, self.head_dim)).transpose(-3, -2).flatten(-3)
+        k, v = slots[..., r, :], slots[..., r + 1, :]
         return self.resid_dropout(self.c_proj(causal_attention(q, k, v, self.head_dim, rope)))
 
 

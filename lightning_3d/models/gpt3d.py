@@ -33,10 +33,11 @@ BLOCKS = "transformer.h.*"
 
 def block_rules(config: GPTConfig, blocks: str = BLOCKS) -> dict[str, Rule]:
     """The rules of the :class:`~lightning_3d.models.dense.DenseBlock` s named by ``blocks``: z in,
-    z out; the packed q/k/v (and llama's gate/up) z→y, the projections back y→z."""
+    z out; the packed query slots, k and v (and llama's gate/up) z→y, each slot split alike over
+    y, the projections back y→z."""
     return {
         f"{blocks}.ln_?": Norm("z"),
-        f"{blocks}.attn.c_attn": Linear("z", groups=3),
+        f"{blocks}.attn.c_attn": Linear("z", groups=config.queries_per_kv + 2),
         f"{blocks}.attn.c_proj": Linear("y"),
         f"{blocks}.attn.resid_dropout": Dropout(),
         f"{blocks}.mlp.c_fc": Linear("z", groups=2 if config.style == "llama" else 1),

@@ -22,7 +22,11 @@ def _require(value: int, parts: int, what: str, why: str, grid: Grid) -> None:
 def check_grid(config: GPTConfig, grid: Grid) -> None:
     """The sizes of ``config`` split evenly on ``grid`` (the vocabulary is padded, so it never fails)."""
     px, py, pz = grid.shape
-    _require(config.n_head, py, "n_head", "py (each y rank attends with whole heads)", grid)
+    if config.n_kv_head == config.n_head:
+        _require(config.n_head, py, "n_head", "py (each y rank attends with whole heads)", grid)
+    else:
+        _require(config.n_kv_head, py, "n_kv_head", "py (each y rank attends with whole key/value heads and their query heads)", grid)
+        _require(config.n_kv_head * config.head_dim, px * py, "n_kv_head·head_dim", "px·py (rows of each slot of c_attn)", grid)
     _require(config.n_embd, px * py, "n_embd", "px·py (rows of the z→y weights c_attn, c_fc)", grid)
     _require(config.n_embd, px * pz, "n_embd", "px·pz (rows of the y→z weights c_proj)", grid)
     _require(config.ffn_hidden, px * py, "ffn_hidden", "px·py (rows of the MLP's c_fc)", grid)
