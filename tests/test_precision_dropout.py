@@ -34,6 +34,38 @@ def autocast_job(grid):
     }
 
 
+def saved_weights_job(grid):
+    """Under bf16 autocast a weight gathered over a group of one is saved as the float32 parameter itself
+    (backward casts it again) instead of as a bf16 copy; the gradients are those of re-gathering."""
+    from lightning_3d.options import RuntimeOptions
+
+    torch.manual_seed(52)
+    fc = Linear3D(16, 32, grid=grid, options=RuntimeOptions())
+    torch.manual_seed(seed_for(grid, 53))
+    x = local(torch.randn(4, 5, 16), "z", grid)
+    grads, saved = [], []
+    for save_gathered in (True, False):
+        fc.options.save_gathered = save_gathered
+        fc.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = fc(x)
+        (y.float() ** 2).sum().backward()
+        grads.append(fc.weight.grad.clone())
+    weight_like = [t for t in saved if t.dim() == 2 and t.shape[-1] == fc.weight.shape[-1]]
+    return {"param_saved": any(t.untyped_storage().data_ptr() == fc.weight.untyped_storage().data_ptr() for t in weight_like),
+            "bf16_weight_copies": sum(t.dtype == torch.bfloat16 for t in weight_like),
+            "grads_equal": bool(torch.equal(grads[0], grads[1]))}
+
+
+def test_weights_saved_for_backward_under_autocast():
+    results = harness.run(4, on_grids, [(1, 2, 1), (2, 1, 1)], saved_weights_job)
+    for r in results:
+        assert r[(1, 2, 1)] == {"param_saved": True, "bf16_weight_copies": 0, "grads_equal": True}, r
+        # px = 2: save_gathered keeps the gathered bf16 weight; save_gathered=False keeps the parameter
+        assert r[(2, 1, 1)] == {"param_saved": True, "bf16_weight_copies": 1, "grads_equal": True}, r
+
+
 def test_bf16_autocast_on_cpu():
     for r in harness.run(8, on_grids, [(2, 2, 2), (1, 2, 1)], autocast_job):
         for shape, res in r.items():

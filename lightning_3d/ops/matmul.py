@@ -171,7 +171,7 @@ class _Matmul3D(torch.autograd.Function):
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, plan: MatmulPlan) -> torch.Tensor:
         ctx.plan, ctx.dtypes = plan, (a.dtype, b.dtype, None if bias is None else bias.dtype)
         cast = _autocast_dtype(a)  # communicate in the dtype autocast would multiply in
-        a = _cast(a, cast)
+        a, weight = _cast(a, cast), b
         fuse_gather = plan.fused(plan.form, plan.group_a)
         a_full, wait_a = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(a, plan.group_a, async_op=True)
         if plan.prefetch is None:
@@ -188,13 +188,19 @@ class _Matmul3D(torch.autograd.Function):
             c, _ = comm.reduce_scatter_dim0(c, plan.group_c)
         else:
             c, _ = _product_scatter(plan, plan.form, a_full, b_full, bias, plan.group_c)
-        ctx.save_for_backward(*((a_full, b_full) if plan.save_gathered else (a, _cast(b, cast))))
+        # B gathered over a group of one is a cast copy of B: a parameter is kept alive anyway, so
+        # backward casts it again (a fraction of a millisecond) instead of holding the copy
+        ctx.recast_b = cast if _is_parameter(weight) and (not plan.save_gathered or dist.get_world_size(plan.group_b) == 1) else None
+        saved_b = weight if ctx.recast_b is not None else b_full if plan.save_gathered else _cast(weight, cast)
+        ctx.save_for_backward(a_full if plan.save_gathered else a, saved_b)
         return c
 
     @staticmethod
     def backward(ctx, grad_c: torch.Tensor):
         plan = ctx.plan
         a, b = ctx.saved_tensors
+        if ctx.recast_b is not None:
+            b = _cast(b, ctx.recast_b)
         # dA's first operand is dC in forms "ab" and "abt": its gather can be fused into dA's product
         form_a, (first_a, _) = _BACKWARD[plan.form][0]
         fuse_gather = ctx.needs_input_grad[0] and first_a == 2 and plan.fused(form_a, plan.group_c)
