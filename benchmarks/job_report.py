@@ -4,6 +4,11 @@ One table per file (one model, one GPU count, one link setting, one call): every
 step time, tokens/s, MFU, peak memory and first losses, and its speed against the fastest peer
 and the fastest 3-D case of the same file. Compare only rows of one file: they ran in the same
 call on the same machine.
+
+``--largest FILES`` (runs of one model at two or more ``--layers``): for each case, the peak
+memory as a line in the layer count (parameters, gradients, optimizer state and activations grow
+by a fixed amount a layer) and the most layers whose predicted peak fits in ``USABLE`` of the
+GPU's memory (the rest is the CUDA context, NCCL's buffers and the allocator's slack).
 """
 
 from __future__ import annotations
@@ -40,7 +45,44 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
+USABLE = 0.92
+
+
+def largest(paths: list[str]) -> str:
+    """The most layers each case trains, extrapolated linearly from its peaks at the measured layer counts."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    failed: dict[str, list[int]] = {}
+    capacity = None
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        layers, capacity = data["meta"]["config"]["n_layer"], data["meta"]["gpu_GiB"]
+        for c in data["cases"]:
+            if "peak_GiB" in c:
+                points.setdefault(c["case"], []).append((layers, c["peak_GiB"]))
+            else:
+                failed.setdefault(c["case"], []).append(layers)
+    lines = [f"GPU memory {capacity:.1f} GiB, {USABLE:.0%} usable", "",
+             "| case | measured (layers: peak GiB) | GiB a layer | most layers |", "|---|---|---|---|"]
+    for case, pts in sorted(points.items()):
+        pts = sorted(pts)
+        measured = ", ".join(f"{n}: {g:.2f}" for n, g in pts) + "".join(f", {n}: failed" for n in failed.get(case, []))
+        if len(pts) < 2:
+            lines.append(f"| {case} | {measured} | – | – |")
+            continue
+        (n0, g0), (n1, g1) = pts[0], pts[-1]
+        per_layer = (g1 - g0) / (n1 - n0)
+        most = int((USABLE * capacity - (g0 - per_layer * n0)) // per_layer)
+        lines.append(f"| {case} | {measured} | {per_layer:.2f} | {most} |")
+    for case in sorted(set(failed) - set(points)):
+        lines.append(f"| {case} | {', '.join(f'{n}: failed' for n in failed[case])} | – | fewer than {min(failed[case])} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--largest"]:
+        print(largest(sys.argv[2:]))
+        return
     print("\n\n".join(table(p) for p in sys.argv[1:]))
 
 

@@ -9,6 +9,8 @@ here from PyTorch's public APIs, as torchtitan applies it (``parallelize_llama``
   ``RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))``; the output
   ``ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1))`` under ``loss_parallel()``.
 - **plain TP** (the weaker 1-D peer): the same without sequence parallelism.
+- **activation checkpointing** (``apply_ac``): every block recomputed in backward (torchtitan's
+  ``full`` mode; its ``checkpoint_wrapper`` is ``torch.utils.checkpoint`` non-reentrant).
 - **compile** (``apply_compile``): each block ``torch.compile(block, fullgraph=True)``.
 - **async TP**: ``torch._inductor.config._micro_pipeline_tp = True`` and symmetric memory on the
   TP group, with compile.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
@@ -171,6 +174,23 @@ def enable_async_tp(tp_mesh) -> None:
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+class Checkpointed(nn.Module):
+    """torchtitan's full activation checkpointing of a block: its forward recomputed in backward."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        return checkpoint(self.block, x, rope, use_reentrant=False)
+
+
+def apply_ac(model: PeerGPT) -> None:
+    """torchtitan's ``apply_ac`` (full): every block checkpointed, after TP and before compile and FSDP."""
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = Checkpointed(layer)
 
 
 def apply_compile(model: PeerGPT) -> None:

@@ -22,6 +22,9 @@ gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defa
 - ``fsdp2`` (``compile``): FSDP2 over every GPU; ``fsdp2-tp DxT`` (``compile``): FSDP2 over D × TP+SP over T.
 - ``ddp`` (``compile``): plain data parallelism (one GPU: the dense model alone).
 
+Any case may add ``ckpt``: every block recomputed in backward (ours: ``activation_checkpointing``;
+the peers: torchtitan's full activation checkpointing, after TP, before compile and FSDP).
+
 Python's automatic garbage collection is off during the steps of every case, as torchtitan
 trains (it collects every ``gc_freq`` steps instead): collections inside steps made compiled cases
 1.3–2× slower and erratic at GPT-2 shapes. ``--profile`` adds, for the cases it names, the GPU timeline of two more steps on rank 0 (busy
@@ -30,7 +33,7 @@ TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak
 (``max_memory_allocated`` during the steps above what was allocated before the model was built,
 max over ranks), the first step's time (compilation included) and the loss of the first three
 steps (mean over the global batch). On CUDA the first case runs once untimed before the timed cases,
-so that none starts cold. Results go to ``DIR/job_w{N}_{model}_{links}.json`` after every
+so that none starts cold. Results go to ``DIR/job_w{N}_{model}[_L{layers}]_{links}.json`` after every
 case, so a run stopped by its time budget keeps what it measured.
 """
 
@@ -98,6 +101,7 @@ class Method:
     compile: bool = False
     check_inputs: bool = True  # 3d
     save_gathered: bool = True  # 3d
+    checkpointing: bool = False
 
     @classmethod
     def parse(cls, text: str, world: int) -> Method:
@@ -107,7 +111,7 @@ class Method:
         if kind not in ("3d", "tp", "tp-sp", "fsdp2", "fsdp2-tp", "ddp"):
             raise ValueError(f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp")
         fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts, "check_inputs": "nocheck" not in opts,
-                  "save_gathered": "regather" not in opts}
+                  "save_gathered": "regather" not in opts, "checkpointing": "ckpt" in opts}
         for w in opts:
             if "x" in w:
                 dims = tuple(int(d) for d in w.split("x"))
@@ -117,7 +121,7 @@ class Method:
                     fields["dp"], fields["tp"] = dims
             elif w.startswith("dp"):
                 fields["dp"] = int(w[2:])
-            elif w not in ("auto", "async", "compile", "nocheck", "regather"):
+            elif w not in ("auto", "async", "compile", "nocheck", "regather", "ckpt"):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
         if kind == "3d" and method.grid is not None and method.dp * math.prod(method.grid) != world:
@@ -131,9 +135,11 @@ class Method:
         if self.kind == "3d":
             where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
             return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
-                    + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather"))
+                    + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
+                    + (" ckpt" if self.checkpointing else ""))
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
-        return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "")
+        return (self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "")
+                + (" ckpt" if self.checkpointing else ""))
 
 
 @dataclasses.dataclass
@@ -202,7 +208,7 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
     """GPT3D through the strategy's steps: DDP over dp, global-norm clipping, bf16 autocast, AdamW."""
     grid = run.grid(method.grid, method.dp)
     options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, compile=method.compile, check_inputs=method.check_inputs,
-                                          save_gathered=method.save_gathered)
+                                          save_gathered=method.save_gathered, activation_checkpointing=method.checkpointing)
     if method.compile:
         torch.compiler.reset()
     model = GPT3D(config, grid, device=run.device, options=options)
@@ -249,6 +255,8 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
         peers_job.apply_tp(model, tp_mesh, sequence_parallel=kind != "tp")
         if method.async_tp:
             peers_job.enable_async_tp(tp_mesh)
+    if method.checkpointing:
+        peers_job.apply_ac(model)
     if method.compile:
         torch.compiler.reset()
         peers_job.apply_compile(model)
@@ -404,14 +412,16 @@ def main() -> None:
             "nccl": None if cpu else ".".join(map(str, torch.cuda.nccl.version())),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": os.environ.get("BENCH_COMMIT", ""), "argv": sys.argv, "links": args.links,
-            "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""), "warmup": warmup, "steps": steps,
+            "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""),
+            "gpu_GiB": None if cpu else torch.cuda.get_device_properties(run.device).total_memory / 2**30, "warmup": warmup, "steps": steps,
             "model": name, "config": dataclasses.asdict(config), "params": n_params, "batch": batch, "seq": seq,
             "tokens_per_step": batch * seq, "flops_per_step": flops, "matmul_tflops": matmul,
             "precision": "fp32 (cpu)" if cpu else "bf16 mixed, fp32 master weights", "optimizer": f"AdamW lr {LR} wd {WEIGHT_DECAY}, fused",
             "clip": CLIP}
     run.log(f"{name}: {n_params / 1e9:.2f}B parameters, batch {batch}×{seq}, world {run.world} on {meta['device']}, "
             f"links {args.links}, matmul {matmul:.0f} TFLOP/s")
-    path = os.path.join(args.out, f"job_w{run.world}_{name}_{args.links}.json")
+    size = f"_L{config.n_layer}" if args.layers else ""
+    path = os.path.join(args.out, f"job_w{run.world}_{name}{size}_{args.links}.json")
     os.makedirs(args.out, exist_ok=True)
     cases: list[dict] = []
     done: dict[str, dict] = {}

@@ -64,7 +64,8 @@ def _check_same_job(data: dict, labels: list[str]) -> None:
 
 def test_train_job_smoke_on_cpu(tmp_path):
     """The whole-job benchmark on 2 ranks: every 3-D grid (auto, async) and each eager peer train the same model alike."""
-    labels = ["3d 2x1x1", "3d 1x2x1 async", "3d 1x1x2", "3d 1x1x1 dp2", "3d auto", "tp-sp", "tp", "fsdp2", "ddp"]
+    labels = ["3d 2x1x1", "3d 1x2x1 async", "3d 1x1x2", "3d 1x1x1 dp2", "3d auto", "tp-sp", "tp", "fsdp2", "ddp",
+              "3d 1x2x1 ckpt", "fsdp2 ckpt"]
     data = _train_job(tmp_path, 2, "tiny-gpt2", ";".join(labels))
     _check_same_job(data, labels)
     assert data["cases"][4]["picks"].startswith("3d ")
@@ -92,3 +93,18 @@ def test_train_job_cases_parse_and_refuse_bad_input():
     for text, words in (("3d 2x2x2", "dp·px·py·pz = 8"), ("fsdp2-tp 2x4", "dp·tp = 8"), ("megatron", "first word"), ("tp fast", "'fast'")):
         with pytest.raises(ValueError, match=re.escape(words)):
             train_job.Method.parse(text, 4)
+
+
+def test_largest_model_extrapolates_peak_memory_per_layer(tmp_path):
+    """``job_report --largest``: a line through each case's peaks, the most layers under the usable memory."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import job_report
+
+    for layers, peaks in ((8, {"3d 1x4x1": 10.0, "fsdp2": 20.0}), (16, {"3d 1x4x1": 14.0, "fsdp2": 36.0})):
+        cases = [{"case": k, "peak_GiB": v} for k, v in peaks.items()] + [{"case": "ddp", "error": "OutOfMemoryError"}]
+        (tmp_path / f"L{layers}.json").write_text(json.dumps({"meta": {"config": {"n_layer": layers}, "gpu_GiB": 80.0}, "cases": cases}))
+    text = job_report.largest([str(tmp_path / "L8.json"), str(tmp_path / "L16.json")])
+    # 3d: 6 GiB + 0.5 GiB a layer under 0.92·80 = 73.6 GiB → 135 layers; fsdp2: 4 + 2 a layer → 34
+    assert "| 3d 1x4x1 | 8: 10.00, 16: 14.00 | 0.50 | 135 |" in text, text
+    assert "| fsdp2 | 8: 20.00, 16: 36.00 | 2.00 | 34 |" in text, text
+    assert "| ddp | 8: failed, 16: failed | – | fewer than 8 |" in text, text
