@@ -29,6 +29,8 @@ from lightning_3d.strategy.failures import ConfigurationError
     ({"grid": (2, 0, 1)}, "(2, 0, 1)"),
     ({"grid": "221"}, "'221'"),
     ({"zero_stage": True}, "zero_stage must be 0 or 1"),
+    ({"bucket_cap": 5}, "['bucket_cap'] are not DistributedDataParallel arguments"),
+    ({"process_group": None}, "device_ids and process_group are the strategy's"),
 ])
 def test_constructor_refuses_wrong_types_and_values(kwargs, message):
     with pytest.raises(ValueError) as error:

@@ -219,6 +219,13 @@ def test_bf16_mixed_follows_the_dense_twin(runs, dense):
     assert h["loss"] != dense["loss"][:3], "bf16-mixed gave float32's exact losses: autocast was off"
 
 
+def test_ddp_comm_hook_reduces_dp_gradients_in_half_precision(runs):
+    f, i = records(runs, "F")[0], records(runs, "I")[0]
+    assert i["loss"][0] == f["loss"][0], "the first loss comes before any reduction"
+    assert_close(i["loss"], f["loss"][:len(i["loss"])], "fp16-reduced vs float32-reduced losses", 1e-2)
+    assert i["loss"][1:] != f["loss"][1:len(i["loss"])], "fp16_compress_hook changed nothing: the hook was not registered"
+
+
 def test_zero1_equals_plain_data_parallel(runs):
     f, g = records(runs, "F")[0], records(runs, "G")[0]
     assert_close(g["loss"], f["loss"], "ZeRO-1 vs plain dp losses", 1e-7)

@@ -70,6 +70,21 @@ def unwrap(optimizer):
     return getattr(optimizer, "_optimizer", optimizer)
 
 
+_DDP_SET_BY_STRATEGY = {"self", "module", "device_ids", "output_device", "process_group", "device_mesh"}
+
+
+def _checked_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` if ``DistributedDataParallel`` takes every name and the strategy sets none of them; else ``ValueError``."""
+    import inspect
+
+    accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - _DDP_SET_BY_STRATEGY
+    wrong = sorted(set(kwargs) - accepted)
+    if wrong:
+        raise ValueError(f"Tensor3DStrategy: {wrong} are not DistributedDataParallel arguments the strategy passes on; "
+                         f"accepted: {sorted(accepted)} (device_ids and process_group are the strategy's)")
+    return dict(kwargs)
+
+
 class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, GridReplicas):
     """3-D tensor parallelism (Bian et al. 2021) on a ``dp × px × py × pz`` grid of processes.
 
@@ -96,10 +111,18 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         checkpoint_on_preemption: where to save a checkpoint when any rank receives SIGTERM or
             SIGINT during training; every rank then stops at the same step and exits with status
             ``128 + signal`` (:mod:`lightning_3d.strategy.preemption`). None: stop without saving.
+        ddp_comm_hook: a ``DistributedDataParallel`` communication hook for the gradient
+            reduction over dp (e.g. ``default_hooks.bf16_compress_hook``: half the bytes), as in
+            Lightning's ``DDPStrategy``; registered on every device type.
+        ddp_comm_state: the hook's state; default: the dp process group.
+        **ddp_kwargs: further ``DistributedDataParallel`` arguments (``bucket_cap_mb``,
+            ``gradient_as_bucket_view``, ``static_graph``, ...); the strategy sets ``device_ids``
+            and ``process_group``.
 
     Raises:
         ValueError: a bad ``grid``, ``data_parallel_size``, ``zero_stage``, ``timeout`` or
-            ``async_tp``; at setup, numbers that do not multiply to the world size.
+            ``async_tp``, a ``ddp_kwargs`` name ``DistributedDataParallel`` does not take; at setup,
+            numbers that do not multiply to the world size.
     """
 
     # Set by each namespace's class: its grid-aware precision plugins, summary callbacks and helpers.
@@ -122,6 +145,9 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         cluster_environment=None,
         checkpoint_io=None,
         precision_plugin=None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_state: object | None = None,
+        **ddp_kwargs: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
@@ -134,6 +160,8 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             raise ValueError(f"zero_stage must be 0 or 1 (optimizer state sharded over dp), got {zero_stage!r}")
         self.zero_stage = zero_stage
         self.checkpoint_on_preemption = None if checkpoint_on_preemption is None else Path(checkpoint_on_preemption)
+        self.ddp_comm_hook, self.ddp_comm_state = ddp_comm_hook, ddp_comm_state
+        self.ddp_kwargs = _checked_ddp_kwargs(ddp_kwargs)
         self._grid: Grid | None = None
         self._zero: dict[int, ShardedOptimizerState] = {}
         self._resumed_from: tuple | None = None
@@ -217,7 +245,15 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         """DDP over the dp group: it averages gradients over the replicas of each shard only."""
-        return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), process_group=self.grid.group("dp"))
+        return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), process_group=self.grid.group("dp"),
+                                       **self.ddp_kwargs)
+
+    def configure_ddp(self) -> None:
+        """Wrap the module in DDP over dp and register ``ddp_comm_hook`` (with the dp group as its default state)."""
+        self.model = self._setup_model(self.model)
+        if self.ddp_comm_hook is not None:
+            state = self.ddp_comm_state if self.ddp_comm_state is not None else self.grid.group("dp")
+            self.model.register_comm_hook(state, self.ddp_comm_hook)
 
     def setup_optimizers(self, trainer) -> None:
         for zero in self._zero.values():

@@ -9,7 +9,8 @@ serves several Trainers. Each run writes ``OUT/<run>.rank<r>.json``; test_strate
   D resumed from C's epoch-0 checkpoint.
 - ``world4`` (lightning.pytorch): F 2×1×1 dp 2 (one dataloader worker a rank, model summary printed), then ``validate``;
   G the same with ZeRO-1;
-  H the same in bf16-mixed, 1 epoch.
+  H the same in bf16-mixed, 1 epoch;
+  I the same in float32 with the dp gradients reduced in fp16 (``ddp_comm_hook``; bf16 needs NCCL), 1 epoch.
 - ``world1`` (pytorch_lightning): LightningCLI parses the strategy by name and by class_path;
   E ``strategy="tensor3d"`` by name (auto 1×1×1) resumed from B's last checkpoint, 3 epochs.
 """
@@ -52,6 +53,10 @@ def world4(out: Path) -> None:
     common.fit("lightning.pytorch", out, "G", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2, zero_stage=1), epochs=2, devices=4)
     common.fit("lightning.pytorch", out, "H", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2), epochs=1, devices=4,
                precision="bf16-mixed")
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    common.fit("lightning.pytorch", out, "I", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2, ddp_comm_hook=default_hooks.fp16_compress_hook,
+                                                               bucket_cap_mb=1), epochs=1, devices=4)
 
 
 def world1(out: Path, resume_from: str) -> None:
