@@ -199,11 +199,12 @@ def apply_compile(model: PeerGPT) -> None:
         model.layers[i] = torch.compile(layer, fullgraph=True)
 
 
-def apply_fsdp(model: PeerGPT, dp_mesh) -> None:
-    """torchtitan's ``apply_fsdp``: ``fully_shard`` per block, then the root; bf16 compute, fp32 reductions."""
+def apply_fsdp(model: PeerGPT, dp_mesh, reduce_dtype: torch.dtype = torch.float32) -> None:
+    """torchtitan's ``apply_fsdp``: ``fully_shard`` per block, then the root; bf16 compute, ``reduce_dtype``
+    reductions (torchtitan's default float32; its ``mixed_precision_reduce`` setting picks bf16)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dp_mesh.device_type == "cuda" else None
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if dp_mesh.device_type == "cuda" else None
     kwargs = {"mesh": dp_mesh} | ({"mp_policy": policy} if policy is not None else {})
     for i, layer in enumerate(model.layers):
         fully_shard(layer, reshard_after_forward=i < len(model.layers) - 1, **kwargs)

@@ -7,6 +7,7 @@
 #   compile-small  the same on 2 GPUs (GPUs 0,1) and 1 GPU (GPU 3), side by side
 #   check          the token-range check on and off in turn (check_cost.py) on 4 GPUs
 #   check1         the same on 1 GPU (GPU 2: it can run beside compile-small)
+#   reduce         both models on 4 GPUs: the dp gradient reduction in float32 and in bf16 (bf16grad)
 #   largest        Llama shapes on 4 GPUs at 8 and 16 layers, with and without activation checkpointing
 #                  (ckpt); then `job_report.py --largest` extrapolates the most layers each case trains
 # Each torchrun gets a time budget (BUDGET_S seconds, default 200: both models of one mode fit one 10-minute call): cases that would end later are
@@ -24,6 +25,7 @@ COMPILE2="3d 2x1x1 compile;fsdp2 compile;3d 1x2x1 async compile;3d 1x1x1 dp2 com
 COMPILE1="3d 1x1x1 compile;ddp compile;3d 1x1x1;ddp"
 LARGEST="3d 1x4x1 async compile;fsdp2 compile;3d 4x1x1 compile;3d 2x2x1 compile;tp-sp compile async;fsdp2-tp 2x2 compile;ddp"
 LARGEST="$LARGEST;3d 1x4x1 async compile ckpt;fsdp2 compile ckpt;3d 4x1x1 compile ckpt;tp-sp compile async ckpt;fsdp2-tp 2x2 compile ckpt"
+REDUCE="3d 1x1x1 dp4;3d 1x1x1 dp4 bf16grad;ddp;ddp bf16grad;fsdp2;fsdp2 bf16grad;3d 1x2x1 dp2 async;3d 1x2x1 dp2 async bf16grad"
 job() {
   local n=$1; shift
   timeout $((BUDGET_S + 90)) python3 -m torch.distributed.run --standalone --nproc_per_node "$n" "$(dirname "$0")/train_job.py" \
@@ -56,9 +58,10 @@ for mode in "$@"; do
         CUDA_VISIBLE_DEVICES=2 timeout 150 python3 -m torch.distributed.run --standalone --nproc_per_node 1 "$(dirname "$0")/check_cost.py" \
           --model "$m" --case "3d 1x1x1" --out "$OUT"
       done > "$OUT/log_check1.txt" 2>&1 ;;
+    reduce) for m in $MODELS; do job 4 --model "$m" --steps 10 --cases "$REDUCE"; done 2>&1 | tee "$OUT/log_reduce.txt" ;;
     largest)
       for l in 8 16; do job 4 --model llama-7b --layers "$l" --steps 3 --cases "$LARGEST"; done 2>&1 | tee "$OUT/log_largest.txt"
       python3 "$(dirname "$0")/job_report.py" --largest "$OUT"/job_w4_llama-7b_L*_nvlink.json | tee "$OUT/largest.md" ;;
-    *) echo "unknown mode $mode: use nvlink, p2p-off, small, compile, compile-small, check, check1 or largest" >&2; exit 2 ;;
+    *) echo "unknown mode $mode: use nvlink, p2p-off, small, compile, compile-small, check, check1, reduce or largest" >&2; exit 2 ;;
   esac
 done

@@ -23,7 +23,10 @@ gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defa
 - ``ddp`` (``compile``): plain data parallelism (one GPU: the dense model alone).
 
 Any case may add ``ckpt``: every block recomputed in backward (ours: ``activation_checkpointing``;
-the peers: torchtitan's full activation checkpointing, after TP, before compile and FSDP).
+the peers: torchtitan's full activation checkpointing, after TP, before compile and FSDP); and
+``bf16grad``: the gradient reduction over data parallelism in bf16 (DDP's ``bf16_compress_hook``
+for ours and DDP, ``reduce_dtype=bf16`` for FSDP2; the 3-D products' own reductions already run in
+the autocast dtype).
 
 Python's automatic garbage collection is off during the steps of every case, as torchtitan
 trains (it collects every ``gc_freq`` steps instead): collections inside steps made compiled cases
@@ -102,6 +105,7 @@ class Method:
     check_inputs: bool = True  # 3d
     save_gathered: bool = True  # 3d
     checkpointing: bool = False
+    half_grads: bool = False  # the dp gradient reduction in bf16 (fp16 on CPU)
 
     @classmethod
     def parse(cls, text: str, world: int) -> Method:
@@ -111,7 +115,8 @@ class Method:
         if kind not in ("3d", "tp", "tp-sp", "fsdp2", "fsdp2-tp", "ddp"):
             raise ValueError(f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp")
         fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts, "check_inputs": "nocheck" not in opts,
-                  "save_gathered": "regather" not in opts, "checkpointing": "ckpt" in opts}
+                  "save_gathered": "regather" not in opts, "checkpointing": "ckpt" in opts,
+                  "half_grads": "bf16grad" in opts}
         for w in opts:
             if "x" in w:
                 dims = tuple(int(d) for d in w.split("x"))
@@ -121,7 +126,7 @@ class Method:
                     fields["dp"], fields["tp"] = dims
             elif w.startswith("dp"):
                 fields["dp"] = int(w[2:])
-            elif w not in ("auto", "async", "compile", "nocheck", "regather", "ckpt"):
+            elif w not in ("auto", "async", "compile", "nocheck", "regather", "ckpt", "bf16grad"):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
         if kind == "3d" and method.grid is not None and method.dp * math.prod(method.grid) != world:
@@ -136,10 +141,10 @@ class Method:
             where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
             return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
                     + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
-                    + (" ckpt" if self.checkpointing else ""))
+                    + (" ckpt" if self.checkpointing else "") + (" bf16grad" if self.half_grads else ""))
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
         return (self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "")
-                + (" ckpt" if self.checkpointing else ""))
+                + (" ckpt" if self.checkpointing else "") + (" bf16grad" if self.half_grads else ""))
 
 
 @dataclasses.dataclass
@@ -204,6 +209,13 @@ def fused_adamw(params, run: Run) -> torch.optim.Optimizer:
 # ---------------------------------------------------------------- building each method
 
 
+def half_precision_hook(run: Run):
+    """DDP's gradient reduction in bf16 (``Tensor3DStrategy(ddp_comm_hook=...)``); fp16 on gloo, where bf16's hook does not run."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.fp16_compress_hook if run.cpu else default_hooks.bf16_compress_hook
+
+
 def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:
     """GPT3D through the strategy's steps: DDP over dp, global-norm clipping, bf16 autocast, AdamW."""
     grid = run.grid(method.grid, method.dp)
@@ -218,6 +230,8 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
     params = list(model.parameters())
     if method.dp > 1:
         model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device], process_group=grid.group("dp"))
+        if method.half_grads:
+            model.register_comm_hook(grid.group("dp"), half_precision_hook(run))
     optimizer = fused_adamw(params, run)
 
     def step(ids, targets):
@@ -261,10 +275,12 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
         torch.compiler.reset()
         peers_job.apply_compile(model)
     if dp_mesh is not None:
-        peers_job.apply_fsdp(model, dp_mesh)
+        peers_job.apply_fsdp(model, dp_mesh, torch.bfloat16 if method.half_grads else torch.float32)
     params = list(model.parameters())
     if kind == "ddp" and world > 1:
         model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device])
+        if method.half_grads:
+            model.register_comm_hook(None, half_precision_hook(run))
     optimizer = fused_adamw(params, run)
     sharded_logits = tp_mesh is not None and tp_mesh.size() > 1
     precision = contextlib.nullcontext() if dp_mesh is not None else run.autocast()

@@ -65,7 +65,7 @@ def _check_same_job(data: dict, labels: list[str]) -> None:
 def test_train_job_smoke_on_cpu(tmp_path):
     """The whole-job benchmark on 2 ranks: every 3-D grid (auto, async) and each eager peer train the same model alike."""
     labels = ["3d 2x1x1", "3d 1x2x1 async", "3d 1x1x2", "3d 1x1x1 dp2", "3d auto", "tp-sp", "tp", "fsdp2", "ddp",
-              "3d 1x2x1 ckpt", "fsdp2 ckpt"]
+              "3d 1x2x1 ckpt", "fsdp2 ckpt", "3d 1x1x1 dp2 bf16grad", "ddp bf16grad"]
     data = _train_job(tmp_path, 2, "tiny-gpt2", ";".join(labels))
     _check_same_job(data, labels)
     assert data["cases"][4]["picks"].startswith("3d ")
