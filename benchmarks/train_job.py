@@ -307,7 +307,8 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
 
 def resolve_auto(run: Run, method: Method, config: GPTConfig, batch: int, seq: int) -> Method:
     """``3d auto``: the grid and dp ``Tensor3DStrategy(grid="auto", model_shape=...)`` resolves to."""
-    shape = ModelShape(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden)
+    shape = ModelShape(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden,
+                       kv_heads=config.n_kv_head, gated=config.style == "llama")
     grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, shape, method.async_tp)
     return dataclasses.replace(method, grid=tuple(grid), dp=dp)
 

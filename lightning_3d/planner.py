@@ -127,8 +127,9 @@ DEFAULT_MACHINE = Machine(
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A stack of ``layers`` GPT blocks (GPT-2 style: LayerNorm, fused QKV, 4h GELU MLP) on
-    ``batch`` sequences of ``seq`` tokens: the global batch of one step."""
+    """A stack of ``layers`` GPT blocks (fused q/k/v, then an MLP of ``ffn`` hidden units) on
+    ``batch`` sequences of ``seq`` tokens: the global batch of one step. ``kv_heads`` (default
+    ``heads``) below ``heads`` is grouped-query attention; ``gated`` is a SwiGLU MLP (gate and up)."""
 
     hidden: int
     heads: int
@@ -136,16 +137,37 @@ class ModelShape:
     batch: int
     layers: int
     ffn: int | None = None
+    kv_heads: int | None = None
+    gated: bool = False
 
     @property
     def ffn_hidden(self) -> int:
         return self.ffn if self.ffn is not None else 4 * self.hidden
 
     @property
+    def kv_width(self) -> int:
+        """Features of k (and of v): key/value heads × head dim."""
+        return (self.kv_heads if self.kv_heads is not None else self.heads) * (self.hidden // self.heads)
+
+    @property
+    def qkv_out(self) -> int:
+        return self.hidden + 2 * self.kv_width
+
+    @property
+    def fc1_out(self) -> int:
+        return self.ffn_hidden * (2 if self.gated else 1)
+
+    @property
+    def block_weights(self) -> int:
+        """Matmul weights of one block: q/k/v, the attention projection, the MLP's two."""
+        h = self.hidden
+        return h * self.qkv_out + h * h + h * self.fc1_out + self.ffn_hidden * h
+
+    @property
     def flops(self) -> float:
         """Forward + backward FLOPs of a step (3 × the forward's GEMMs and attention scores)."""
-        h, f, b, s = self.hidden, self.ffn_hidden, self.batch, self.seq
-        return 3 * self.layers * (2 * b * s * (4 * h * h + 2 * h * f) + 4 * b * s * s * h)
+        h, b, s = self.hidden, self.batch, self.seq
+        return 3 * self.layers * (2 * b * s * self.block_weights + 4 * b * s * s * h)
 
 
 @dataclass
@@ -182,8 +204,10 @@ def grid_error(shape: ModelShape, grid: tuple[int, int, int], dp: int) -> str | 
     if shape.batch % dp:
         return f"batch {shape.batch} % dp {dp}"
     b = shape.batch // dp
-    checks = [(shape.heads, py, "heads % py"), (h, px * py, "hidden % px·py"), (h, px * pz, "hidden % px·pz"),
-              (f, px * py, "ffn % px·py"), (f, py, "ffn % py"), (b, px * py, "batch/dp % px·py"), (b, px * pz, "batch/dp % px·pz")]
+    grouped = shape.kv_heads not in (None, shape.heads)
+    heads = [(shape.kv_heads, py, "kv_heads % py"), (shape.kv_width, px * py, "kv width % px·py")] if grouped else [(shape.heads, py, "heads % py")]
+    checks = heads + [(h, px * py, "hidden % px·py"), (h, px * pz, "hidden % px·pz"),
+                      (f, px * py, "ffn % px·py"), (f, py, "ffn % py"), (b, px * py, "batch/dp % px·py"), (b, px * pz, "batch/dp % px·pz")]
     for value, parts, what in checks:
         if value % parts:
             return what
@@ -230,7 +254,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
 
     rate = m.matmul_tflops * 1e12 * m.gemm_efficiency
     # the four products of a block: (input axis r, feature axis f, in N, out K)
-    products = [("y", "z", h, 3 * h), ("z", "y", h, h), ("y", "z", h, f), ("z", "y", f, h)]
+    products = [("y", "z", h, shape.qkv_out), ("z", "y", h, h), ("y", "z", h, shape.fc1_out), ("z", "y", f, h)]
     fwd_exposed = bwd_exposed = comm = 0.0
     mm_fwd = []
     for r, fa, n, k in products:
@@ -277,11 +301,11 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     dp_sync = _dp_all_reduce(m, shape, cube, dp, "dp" in across)
     bwd += dp_sync + L * m.overhead_ms * 1e-3
 
-    weights = L * (4 * h * h + 2 * h * f)
+    weights = L * shape.block_weights
     gathered = (lambda by: by) if save_gathered else (lambda by: 1)
     saved_w = weights / (py * pz) if save_gathered and px > 1 else 0.0  # gathered copies kept for backward
     norm_saved = 2 + (5 if pz > 1 else 0)  # the distributed normalize keeps fp32 x̂, rstd and the affine inputs
-    act = L * tokens * h / cube * (norm_saved + 4 + f / h  # norms, q/k/v and attention out, GELU input
+    act = L * tokens * h / cube * (norm_saved + (shape.qkv_out + h) / h + shape.fc1_out / h  # norms, q/k/v and attention out, MLP input
                                    + 2 * gathered(py)  # qkv and fc1 inputs (gathered over y)
                                    + (1 + f / h) * gathered(pz))  # proj and fc2 inputs (gathered over z)
     transient = tokens * h / cube * 5  # the input block and the loss's fp32 copies
@@ -299,8 +323,7 @@ def _peak(params: float, saved: float, layers: int) -> float:
 def _dp_all_reduce(m: Machine, shape: ModelShape, model_parallel: int, dp: int, spans_nodes: bool) -> float:
     if dp == 1:
         return 0.0
-    h, f = shape.hidden, shape.ffn_hidden
-    grads = shape.layers * (4 * h * h + 2 * h * f) / model_parallel
+    grads = shape.layers * shape.block_weights / model_parallel
     link = m.link("all_reduce", dp, spans_nodes)
     return link.seconds(grads * BYTES * 2 * (dp - 1) / dp)
 
@@ -319,7 +342,7 @@ def predict_1d(shape: ModelShape, tp: int, dp: int = 1, machine: Machine = None,
     tokens = shape.batch * shape.seq / dp
     across = node_axes((tp, 1, 1), dp, m)
     rate = m.matmul_tflops * 1e12 * m.gemm_efficiency
-    mm = 2 * tokens * (4 * h * h + 2 * h * f) / tp / rate
+    mm = 2 * tokens * shape.block_weights / tp / rate
     attn = 4 * shape.batch / dp * shape.seq**2 * h / tp / rate
     full = tokens * h
     hbm = m.hbm_GBps * 1e9
@@ -334,7 +357,7 @@ def predict_1d(shape: ModelShape, tp: int, dp: int = 1, machine: Machine = None,
     overhead = (m.peer_overhead_ms if anchor and tp > 1 else m.overhead_ms) * 1e-3
     fwd = L * (mm + attn + t_mem_fwd + 2 * ar)
     bwd = L * (2 * (mm + attn) + t_mem_bwd + bwd_ars * ar + overhead) + dp_sync
-    params = L * (4 * h * h + 2 * h * f) / tp
+    params = L * shape.block_weights / tp
     act = L * (full * 4 + full / tp * (4 + 1 + 2 * f / h))  # replicated: norm inputs and outputs
     transient = full * 5  # the input and the loss's fp32 copies, whole on every rank
     memory = _peak(params, act + transient, L)
@@ -366,7 +389,8 @@ def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1
                 out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp))
     if include_1d:
         for tp in (t for t in range(1, min(world, m.gpus_per_node) + 1) if world % t == 0):
-            if shape.heads % tp == 0 and shape.batch % (world // tp) == 0:
+            kv_heads = shape.kv_heads if shape.kv_heads is not None else shape.heads
+            if kv_heads % tp == 0 and shape.batch % (world // tp) == 0:
                 out.append(predict_1d(shape, tp, world // tp, m))
     return sorted(out, key=lambda p: p.step_ms)
 
@@ -376,17 +400,19 @@ def fits(p: Prediction, machine: Machine = None) -> bool:
 
 
 def best_grid(hidden: int, heads: int, seq: int, batch: int, layers: int, world: int,
-              machine: Machine = None, ffn: int | None = None, async_tp: bool = False) -> tuple[int, int, int]:
+              machine: Machine = None, ffn: int | None = None, async_tp: bool = False,
+              kv_heads: int | None = None, gated: bool = False) -> tuple[int, int, int]:
     """The ``(px, py, pz)`` with the lowest predicted step time that fits in memory (dp = world /
     px·py·pz); the model is the global-batch GPT stack of ``hidden``, ``heads``, ``seq``, ``batch``
-    and ``layers``, its products collective matmuls with ``async_tp``. This is what
+    and ``layers`` (``ffn``, ``kv_heads`` and ``gated`` as :class:`ModelShape`), its products
+    collective matmuls with ``async_tp``. This is what
     ``grid="auto"`` uses when the model's shape is known.
 
     Raises:
         ValueError: no grid divides the shape, or none fits in memory.
     """
     m = machine or DEFAULT_MACHINE
-    shape = ModelShape(hidden, heads, seq, batch, layers, ffn)
+    shape = ModelShape(hidden, heads, seq, batch, layers, ffn, kv_heads, gated)
     options = candidates(shape, world, m, include_1d=False, async_tp=async_tp)
     if not options:
         raise ValueError(f"no px·py·pz grid with dp filling {world} ranks divides hidden={hidden}, heads={heads}, batch={batch}; "

@@ -103,8 +103,8 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         process_group_backend: ``"nccl"`` / ``"gloo"``; default from the device.
         timeout: collective timeout (timedelta or seconds, positive and finite): how long a rank
             waits for a dead or stalled peer before the run fails.
-        model_shape: ``planner.ModelShape(hidden, heads, seq, batch, layers)`` of the model
-            and global batch, for ``grid="auto"``.
+        model_shape: ``planner.ModelShape(hidden, heads, seq, batch, layers, ...)`` of the model
+            and global batch (``kv_heads``, ``gated`` for Llama-style blocks), for ``grid="auto"``.
         async_tp: run the activation gathers and scatters of the 3-D products as collective
             matmuls over symmetric memory (the model's ``RuntimeOptions.async_tp``, set at setup; GPUs of one NVLink
             domain); see ``docs/benchmarks.md`` for where it pays.
