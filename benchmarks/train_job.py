@@ -137,14 +137,13 @@ class Method:
 
     @property
     def label(self) -> str:
+        common = (" ckpt" if self.checkpointing else "") + (" bf16grad" if self.half_grads else "")
         if self.kind == "3d":
             where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
             return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
-                    + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
-                    + (" ckpt" if self.checkpointing else "") + (" bf16grad" if self.half_grads else ""))
+                    + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather") + common)
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
-        return (self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "")
-                + (" ckpt" if self.checkpointing else "") + (" bf16grad" if self.half_grads else ""))
+        return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "") + common
 
 
 @dataclasses.dataclass

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import os
 from functools import partial
 from pathlib import Path
@@ -75,8 +76,6 @@ _DDP_SET_BY_STRATEGY = {"self", "module", "device_ids", "output_device", "proces
 
 def _checked_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` if ``DistributedDataParallel`` takes every name and the strategy sets none of them; else ``ValueError``."""
-    import inspect
-
     accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - _DDP_SET_BY_STRATEGY
     wrong = sorted(set(kwargs) - accepted)
     if wrong:
