@@ -159,23 +159,44 @@ def _is_comm(event: dict) -> bool:
     return any(k in name for k in COMM_KERNELS)
 
 
+# Kernel kinds by name, first match wins; anything else is "other" (eager elementwise, reductions, copies).
+KERNEL_KINDS = (("communication", COMM_KERNELS), ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+                ("attention", ("flash", "fmha", "attention")), ("compiled", ("triton",)))
+
+
+def kernel_kind(event: dict) -> str:
+    """``communication``, ``matmul``, ``attention``, ``compiled`` (Inductor's Triton kernels), ``memset`` or ``other``."""
+    if _is_comm(event):
+        return "communication"
+    if event.get("cat") == "gpu_memset":
+        return "memset"
+    name = event.get("name", "").lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+
+
 def kernel_timeline(trace_path: str) -> dict:
     """From a chrome trace: ms of GPU time with communication running and no compute kernel
-    (exposed communication), of anything running (busy), and of communication in all."""
+    (exposed communication), of anything running (busy), of communication in all, the summed
+    time and count of kernels of each :func:`kernel_kind`, and the longest kernels by name."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
     moving, computing, other = [], [], []
     by_name: dict[str, float] = {}
+    by_kind: dict[str, list] = {}
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             span = (e["ts"], e["ts"] + e["dur"])
             (moving if _is_comm(e) else other if e["cat"] == "gpu_memset" else computing).append(span)
             by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"] / 1e3
+            kind = by_kind.setdefault(kernel_kind(e), [0.0, 0])
+            kind[0] += e["dur"] / 1e3
+            kind[1] += 1
     moving_u, computing_u = _union(moving), _union(computing)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
     return {"exposed_comm_ms": _minus(moving_u, computing_u) / 1e3, "comm_ms": _length(moving_u) / 1e3,
             "busy_ms": _length(_union(moving + computing + other)) / 1e3, "kernels": len(moving) + len(computing) + len(other),
+            "by_kind_ms_count": {k: [round(ms, 3), n] for k, (ms, n) in sorted(by_kind.items())},
             "top_kernels_ms": [[name, round(ms, 3)] for name, ms in top]}
 
 

@@ -56,6 +56,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters as compile_counters
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -338,6 +339,7 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
     build_s = time.perf_counter() - t0
     timer = measure.Timer(run.device)
     times, losses = [], []
+    compile_counters.clear()
     gc.collect()
     gc.disable()  # as torchtitan trains: no automatic collection inside steps (its gc_freq collects between them)
     for i in range(warmup + steps):
@@ -364,10 +366,19 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
     del job
     free_memory(run)
     result = {"step_ms": median, "first_step_s": first / 1e3, "build_s": build_s, "peak_GiB": peak, "losses": loss_t.tolist(),
-              "step_ms_each": times}
+              "step_ms_each": times, "compiled": compiled_summary()}
     if timeline is not None:
         result["profile_rank0_2_steps"] = timeline
     return result
+
+
+def compiled_summary() -> dict:
+    """What ``torch.compile`` did in this case (this rank): frames traced (a recompilation traces
+    one more), distinct graphs, graph breaks and the first few reasons."""
+    breaks = compile_counters["graph_break"]
+    return {"frames": compile_counters["frames"]["total"], "graphs": compile_counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(breaks.values()),
+            "break_reasons": [reason.splitlines()[0][:160] for reason in list(breaks)[:4]]}
 
 
 def agreed(ok: bool, run: Run) -> bool:
