@@ -96,11 +96,12 @@ def agree_on_first_call(owner: object, group: dist.ProcessGroup, what: str, **te
     every rank of a cube calls its layers in the same order, so all of them check on the same call.
     Call it before any check that could fail on some ranks only.
     """
+    if dist.get_world_size(group) == 1:  # nothing to agree on, and nothing for a compiled one-rank layer to trace
+        return
     tensors = {name: t for name, t in tensors.items() if t is not None}
     key = (what, *tensors)
     done = owner.__dict__.setdefault("_agreed_inputs", set())
     if key in done:
         return
-    if dist.get_world_size(group) > 1:
-        agree(_describe(tensors), group, what, SAME_BATCH)
+    agree(_describe(tensors), group, what, SAME_BATCH)
     done.add(key)
