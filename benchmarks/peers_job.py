@@ -11,7 +11,9 @@ here from PyTorch's public APIs, as torchtitan applies it (``parallelize_llama``
 - **plain TP** (the weaker 1-D peer): the same without sequence parallelism.
 - **activation checkpointing** (``apply_ac``): every block recomputed in backward (torchtitan's
   ``full`` mode; its ``checkpoint_wrapper`` is ``torch.utils.checkpoint`` non-reentrant).
-- **compile** (``apply_compile``): each block ``torch.compile(block, fullgraph=True)``.
+- **compile** (``apply_compile``): each block ``torch.compile(block, fullgraph=True)``, and the
+  loss ``torch.compile``d (``compiled_cross_entropy``), as torchtitan's ``compile.components``
+  (model and loss) do by default.
 - **async TP**: ``torch._inductor.config._micro_pipeline_tp = True`` and symmetric memory on the
   TP group, with compile.
 - **FSDP2** (``apply_fsdp``): ``fully_shard`` per block, then the root, with
@@ -214,6 +216,11 @@ def apply_fsdp(model: PeerGPT, dp_mesh, reduce_dtype: torch.dtype = torch.float3
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss in float32 (a DTensor ``Shard(-1)`` under ``loss_parallel()`` is fine)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def compiled_cross_entropy():
+    """:func:`cross_entropy` through ``torch.compile``, as torchtitan compiles its loss when it compiles the model."""
+    return torch.compile(cross_entropy)
 
 
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:

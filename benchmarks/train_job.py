@@ -13,12 +13,12 @@ gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defa
 - ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather]``: :class:`~lightning_3d.models.GPT3D` through the
   steps ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
   autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
-  ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block compiled),
+  ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block and the loss's local passes compiled),
   ``nocheck`` = ``check_inputs=False`` (no token-range check), ``regather`` = ``save_gathered=False``
   (gathered operands re-gathered in backward, not kept); ``3d auto [async] [compile]``: the
   grid ``grid="auto"`` picks from the model's shape.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
-  sequence parallelism, each block compiled, async TP (``peers_job.py``: torchtitan's recipe).
+  sequence parallelism, each block and the loss compiled, async TP (``peers_job.py``: torchtitan's recipe).
 - ``fsdp2`` (``compile``): FSDP2 over every GPU; ``fsdp2-tp DxT`` (``compile``): FSDP2 over D × TP+SP over T.
 - ``ddp`` (``compile``): plain data parallelism (one GPU: the dense model alone).
 
@@ -284,11 +284,12 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
     optimizer = fused_adamw(params, run)
     sharded_logits = tp_mesh is not None and tp_mesh.size() > 1
     precision = contextlib.nullcontext() if dp_mesh is not None else run.autocast()
+    loss_fn = peers_job.compiled_cross_entropy() if method.compile else peers_job.cross_entropy
 
     def step(ids, targets):
         with loss_parallel() if sharded_logits else contextlib.nullcontext():
             with precision:
-                loss = peers_job.cross_entropy(model(ids), targets)
+                loss = loss_fn(model(ids), targets)
             loss.backward()
         peers_job.clip_grad_norm_(params, CLIP)
         optimizer.step()
@@ -354,7 +355,7 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
     timeline = None
     if profile:  # GPU time of 2 more steps: busy, communication, communication no compute hides, the longest kernels
         ids, targets = (t[job.rows] for t in data[0])
-        trace = os.path.join("/tmp", f"train_job_trace_rank{run.rank}.json.gz")
+        trace = os.path.join("/tmp", f"train_job_trace_{os.getpid()}.json.gz")
         timeline = measure.profile_steps(lambda: job.step(ids, targets), 2, trace)
     gc.enable()
     peak = (torch.cuda.max_memory_allocated(run.device) - base) / 2**30 if cuda else 0.0

@@ -4,10 +4,14 @@ Logits ``[b/(px·pz), s, V/py]`` hold batch block ``(i, l)`` and vocab block ``j
 sum of exponentials and the target logit are reduced over y (in at least fp32), so every y rank
 holds the same per-token losses; the mean over the non-ignored tokens of the cube's whole batch
 then sums over x and z only. Every cube rank returns the same scalar, and backward is the local
-gradient of that one scalar: ``(softmax − onehot) / n_tokens``.
+gradient of that one scalar: ``(softmax − onehot) / n_tokens``, the softmax recomputed from the
+saved logits rather than stored in fp32 (half the bytes, in bf16).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,40 +22,75 @@ from ..layout import Layout
 from .token_ids import check_token_range
 
 
+class _LocalMath(NamedTuple):
+    """The rank-local passes over the logits block; the collectives run between them."""
+
+    row_max: Callable
+    sums: Callable
+    grad: Callable
+
+
+def _row_max(logits: torch.Tensor) -> torch.Tensor:
+    """``[..., V/py]`` → the row max ``[..., 1]`` in at least fp32 (a max is exact in any dtype)."""
+    return logits.amax(-1, keepdim=True).to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _sums(logits: torch.Tensor, row_max: torch.Tensor, local: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+    """``[2, ...]``: the sum of ``exp(x − max)`` over this vocab block, and the target's logit (0
+    where the target lies in another block)."""
+    x = logits.to(row_max.dtype)
+    target = torch.gather(x, -1, local.unsqueeze(-1)).squeeze(-1) * hit
+    return torch.stack([torch.exp(x - row_max).sum(-1), target])
+
+
+def _grad(logits: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor, local: torch.Tensor,
+          onehot_rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``(softmax − onehot) · scale`` in the logits' dtype, the softmax recomputed from the logits."""
+    g = logits.to(row_max.dtype) - row_max  # a fresh buffer: the in-place steps below never touch the logits
+    g.exp_().div_(sum_exp.unsqueeze(-1))
+    g.scatter_add_(-1, local.unsqueeze(-1), -onehot_rows.unsqueeze(-1).to(g.dtype))
+    return g.mul_(scale.unsqueeze(-1)).to(logits.dtype)
+
+
+_EAGER = _LocalMath(_row_max, _sums, _grad)
+
+
+@functools.cache
+def _compiled() -> _LocalMath:
+    """The local passes through ``torch.compile``: each fuses into one or two kernels that read the
+    logits in their own dtype, with no fp32 copy in memory."""
+    return _LocalMath(*(torch.compile(f) for f in _EAGER))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, ignore_index, group_vocab, group_rows):
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        row_max = x.max(-1, keepdim=True).values
-        comm.all_reduce(row_max, group_vocab, op=dist.ReduceOp.MAX)
-        exp = torch.exp(x - row_max)
+    def forward(ctx, logits, targets, vocab_start, ignore_index, group_vocab, group_rows, math):
         local = targets - vocab_start
-        hit = (local >= 0) & (local < x.shape[-1])
+        hit = (local >= 0) & (local < logits.shape[-1])
         local = torch.where(hit, local, torch.zeros_like(local))
-        target_logit = torch.gather(x, -1, local.unsqueeze(-1)).squeeze(-1) * hit
-        sums = torch.stack([exp.sum(-1), target_logit], 0)
+        row_max = math.row_max(logits)
+        comm.all_reduce(row_max, group_vocab, op=dist.ReduceOp.MAX)
+        sums = math.sums(logits, row_max, local, hit)
         comm.all_reduce(sums, group_vocab)
         sum_exp, target_logit = sums
         valid = targets != ignore_index
         token_loss = (torch.log(sum_exp) + row_max.squeeze(-1) - target_logit) * valid
-        totals = torch.stack([token_loss.sum(), valid.sum().to(x.dtype)])
+        totals = torch.stack([token_loss.sum(), valid.sum().to(sums.dtype)])
         comm.all_reduce(totals, group_rows)
-        ctx.save_for_backward(exp, sum_exp, local, hit & valid, valid, totals[1])
-        ctx.logits_dtype = logits.dtype
+        ctx.save_for_backward(logits, row_max, sum_exp, local, hit & valid, valid, totals[1])
+        ctx.math = math
         return totals[0] / totals[1]
 
     @staticmethod
     def backward(ctx, grad):
-        exp, sum_exp, local, onehot_rows, valid, count = ctx.saved_tensors
-        g = exp / sum_exp.unsqueeze(-1)
-        g.scatter_add_(-1, local.unsqueeze(-1), -onehot_rows.unsqueeze(-1).to(g.dtype))
-        g = g * (valid.unsqueeze(-1) * (grad / count))
-        return g.to(ctx.logits_dtype), None, None, None, None, None
+        logits, row_max, sum_exp, local, onehot_rows, valid, count = ctx.saved_tensors
+        g = ctx.math.grad(logits, row_max, sum_exp, local, onehot_rows, valid * (grad / count))
+        return g, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, grid: Grid | None = None,
-    vocab_size: int | None = None, check_targets: bool = True,
+    vocab_size: int | None = None, check_targets: bool = True, compiled: bool = False,
 ) -> torch.Tensor:
     """Mean cross-entropy over the cube's whole batch from y-layout logits and full targets.
 
@@ -62,6 +101,8 @@ def vocab_parallel_cross_entropy(
         vocab_size: the true vocabulary when the logits' ``V`` is padded (GPT3D's); defaults to ``V``.
         check_targets: False skips the range check (and its host sync): a target out of range
             then adds a wrong, finite loss.
+        compiled: run the local passes over the logits through ``torch.compile`` (fused, no
+            fp32 copy of the logits; :attr:`RuntimeOptions.compile`).
 
     Returns:
         A scalar, the same on every cube rank (fp32, or float64 for float64 logits).
@@ -82,5 +123,6 @@ def vocab_parallel_cross_entropy(
     targets = targets[block * b_local : (block + 1) * b_local]
     vocab_start = grid.coord(layout.feature_axis) * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(
-        logits, targets, vocab_start, ignore_index, grid.group(layout.feature_axis), grid.group(rows)
+        logits, targets, vocab_start, ignore_index, grid.group(layout.feature_axis), grid.group(rows),
+        _compiled() if compiled else _EAGER,
     )
