@@ -4,8 +4,8 @@ Logits ``[b/(px·pz), s, V/py]`` hold batch block ``(i, l)`` and vocab block ``j
 sum of exponentials and the target logit are reduced over y (in at least fp32), so every y rank
 holds the same per-token losses; the mean over the non-ignored tokens of the cube's whole batch
 then sums over x and z only. Every cube rank returns the same scalar, and backward is the local
-gradient of that one scalar: ``(softmax − onehot) / n_tokens``, the softmax recomputed from the
-saved logits rather than stored in fp32 (half the bytes, in bf16).
+gradient of that one scalar: ``(softmax − onehot) / n_tokens``. Eagerly the fp32 exponentials are
+kept for it; compiled, the logits are kept (half the bytes in bf16) and the softmax recomputed.
 """
 
 from __future__ import annotations
@@ -35,31 +35,41 @@ def _row_max(logits: torch.Tensor) -> torch.Tensor:
     return logits.amax(-1, keepdim=True).to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def _sums(logits: torch.Tensor, row_max: torch.Tensor, local: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
-    """``[2, ...]``: the sum of ``exp(x − max)`` over this vocab block, and the target's logit (0
-    where the target lies in another block)."""
+def _sums_keep_exp(logits: torch.Tensor, row_max: torch.Tensor, local: torch.Tensor, hit: torch.Tensor):
+    """``([2, ...], kept)``: the sum of ``exp(x − max)`` over this vocab block and the target's logit
+    (0 where the target lies in another block); ``kept`` = ``exp(x − max)`` in fp32 for backward."""
     x = logits.to(row_max.dtype)
+    exp = torch.exp(x - row_max)
     target = torch.gather(x, -1, local.unsqueeze(-1)).squeeze(-1) * hit
-    return torch.stack([torch.exp(x - row_max).sum(-1), target])
+    return torch.stack([exp.sum(-1), target]), exp
 
 
-def _grad(logits: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Tensor, local: torch.Tensor,
-          onehot_rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``(softmax − onehot) · scale`` in the logits' dtype, the softmax recomputed from the logits."""
-    g = logits.to(row_max.dtype) - row_max  # a fresh buffer: the in-place steps below never touch the logits
-    g.exp_().div_(sum_exp.unsqueeze(-1))
+def _sums_keep_logits(logits: torch.Tensor, row_max: torch.Tensor, local: torch.Tensor, hit: torch.Tensor):
+    """As :func:`_sums_keep_exp`, keeping the logits themselves (backward recomputes the exponentials)."""
+    return _sums_keep_exp(logits, row_max, local, hit)[0], logits
+
+
+def _grad_from_exp(exp, row_max, sum_exp, local, onehot_rows, scale, dtype) -> torch.Tensor:
+    """``(softmax − onehot) · scale`` in ``dtype`` from the kept ``exp(x − max)``."""
+    g = exp / sum_exp.unsqueeze(-1)
     g.scatter_add_(-1, local.unsqueeze(-1), -onehot_rows.unsqueeze(-1).to(g.dtype))
-    return g.mul_(scale.unsqueeze(-1)).to(logits.dtype)
+    return g.mul_(scale.unsqueeze(-1)).to(dtype)
 
 
-_EAGER = _LocalMath(_row_max, _sums, _grad)
+def _grad_from_logits(logits, row_max, sum_exp, local, onehot_rows, scale, dtype) -> torch.Tensor:
+    """As :func:`_grad_from_exp`, the exponentials recomputed from the kept logits."""
+    return _grad_from_exp(torch.exp(logits.to(row_max.dtype) - row_max), row_max, sum_exp, local, onehot_rows, scale, dtype)
+
+
+# Eager: keep the fp32 exponentials (fewest passes over memory). Compiled: keep the logits and
+# recompute, each function fusing into a kernel or two that read the logits in their own dtype.
+_EAGER = _LocalMath(_row_max, _sums_keep_exp, _grad_from_exp)
 
 
 @functools.cache
 def _compiled() -> _LocalMath:
-    """The local passes through ``torch.compile``: each fuses into one or two kernels that read the
-    logits in their own dtype, with no fp32 copy in memory."""
-    return _LocalMath(*(torch.compile(f) for f in _EAGER))
+    """The local passes through ``torch.compile``, keeping the logits rather than fp32 exponentials."""
+    return _LocalMath(*(torch.compile(f) for f in (_row_max, _sums_keep_logits, _grad_from_logits)))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -70,21 +80,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = torch.where(hit, local, torch.zeros_like(local))
         row_max = math.row_max(logits)
         comm.all_reduce(row_max, group_vocab, op=dist.ReduceOp.MAX)
-        sums = math.sums(logits, row_max, local, hit)
+        sums, kept = math.sums(logits, row_max, local, hit)
         comm.all_reduce(sums, group_vocab)
         sum_exp, target_logit = sums
         valid = targets != ignore_index
         token_loss = (torch.log(sum_exp) + row_max.squeeze(-1) - target_logit) * valid
         totals = torch.stack([token_loss.sum(), valid.sum().to(sums.dtype)])
         comm.all_reduce(totals, group_rows)
-        ctx.save_for_backward(logits, row_max, sum_exp, local, hit & valid, valid, totals[1])
-        ctx.math = math
+        ctx.save_for_backward(kept, row_max, sum_exp, local, hit & valid, valid, totals[1])
+        ctx.math, ctx.logits_dtype = math, logits.dtype
         return totals[0] / totals[1]
 
     @staticmethod
     def backward(ctx, grad):
-        logits, row_max, sum_exp, local, onehot_rows, valid, count = ctx.saved_tensors
-        g = ctx.math.grad(logits, row_max, sum_exp, local, onehot_rows, valid * (grad / count))
+        kept, row_max, sum_exp, local, onehot_rows, valid, count = ctx.saved_tensors
+        g = ctx.math.grad(kept, row_max, sum_exp, local, onehot_rows, valid * (grad / count), ctx.logits_dtype)
         return g, None, None, None, None, None, None
 
 
