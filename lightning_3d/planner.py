@@ -114,8 +114,7 @@ class Machine:
     dp_bandwidth: float = 0.35
     dp_overlap: float = 0.5
     host_layer_ms: tuple[float, float, float] = (6.0, 9.0, 11.0)
-    ddp_bytes: float = 8.0
-    host_layer_ms: tuple[float, float, float] = (4.0, 9.0, 11.0)
+    ddp_bytes: float = 6.0
 
     def link(self, op: str, size: int, spans_nodes: bool) -> Link:
         """The Link of ``op`` in a group of ``size`` ranks (the nearest measured size inside a node)."""
@@ -424,7 +423,8 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     final norm, the LM head as a 3-D product (weight ``[V, h]``, z→y), the cross-entropy over the fp32
     logits ``[tokens/(px·pz), V/py]`` with its three small all-reduces, the fp32 gradient all-reduce
     over dp (bf16 with ``half_grads``; DDP's buckets overlap the blocks' backward: only the rest is charged), the
-    gradient-norm all-reduce, clipping, AdamW and the weight casts. Memory: the fp32 parameters and
+    gradient-norm all-reduce, clipping, AdamW and the weight casts; never less than the host takes to
+    issue the step (:attr:`Machine.host_layer_ms`). Memory: the fp32 parameters and
     Adam's two moments of each shard (and DDP's gradient buckets with dp > 1), the bf16 weight
     copies autocast keeps, the activations, and the logits at the loss.
     """
@@ -446,15 +446,15 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
 
     emb_w, emb_out = V / py * h / pz, tokens / px * h / pz
     embedding_fwd = c.seconds("all_gather", "x", emb_w, FP32) + c.seconds("reduce_scatter", "y", emb_out, FP32)
-    embedding_bwd = (c.seconds("all_gather", "y", emb_out, FP32) + c.seconds("reduce_scatter", "x", emb_w, FP32)
-                     + 2 * emb_w * FP32 / hbm)  # the zeroed gradient block, written and scattered into
-    t_head, head_fwd, head_bwd, _ = _product(c, tokens, "z", "y", h, V, rate, save_gathered, async_tp)
+    embedding_bwd_comm = c.seconds("all_gather", "y", emb_out, FP32) + c.seconds("reduce_scatter", "x", emb_w, FP32)
+    embedding_bwd = embedding_bwd_comm + 2 * emb_w * FP32 / hbm  # the zeroed gradient block, written and scattered into
+    t_head, head_fwd, head_bwd, head_comm = _product(c, tokens, "z", "y", h, V, rate, save_gathered, async_tp)
     logits = tokens * V / cube
-    loss = logits * m.logit_bytes / hbm + 3 * latency  # row max and sums over y, the totals over x·z
+    loss = logits * m.logit_bytes / hbm + (2 * (py > 1) + (px * pz > 1)) * latency  # row max and sums over y, the totals over x·z
     final_norm = tokens * h / cube * BYTES * (m.passes_fwd + m.passes_bwd) / shape.layers / hbm
 
     params = shape.params / cube
-    optimizer = params * m.optimizer_bytes / hbm + latency  # the global norm's all-reduce
+    optimizer = params * m.optimizer_bytes / hbm + (cube * dp > 1) * latency  # the global norm's all-reduce
     dp_sync = c.seconds("all_reduce", "dp", params, BYTES if half_grads else FP32) / m.dp_bandwidth
     dp_exposed = max(0.0, dp_sync - m.dp_overlap * blocks.detail["backward_compute_ms"] * 1e-3)
 
@@ -466,11 +466,12 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     bwd += max(0.0, host - fwd - bwd)  # the GPU waits for the host
     static = params * (3 * FP32 + (m.ddp_bytes if dp > 1 else 0)) + shape.layers * shape.block_weights / cube * BYTES
     memory = static / 2**30 + blocks.detail["activations_GiB"] + logits * m.logit_memory_bytes / 2**30
-    exposed = blocks.exposed_comm_ms - blocks.detail["dp_sync_ms"] + (embedding_fwd + head_fwd + head_bwd + dp_exposed) * 1e3
+    exposed = blocks.exposed_comm_ms - blocks.detail["dp_sync_ms"] + (embedding_fwd + embedding_bwd_comm + head_fwd + head_bwd + dp_exposed) * 1e3
     detail = {"blocks_ms": blocks.step_ms - blocks.detail["dp_sync_ms"], "embedding_ms": (embedding_fwd + embedding_bwd) * 1e3,
               "head_ms": (3 * t_head + head_fwd + head_bwd) * 1e3, "loss_ms": loss * 1e3, "optimizer_ms": optimizer * 1e3,
               "dp_sync_ms": dp_sync * 1e3, "dp_exposed_ms": dp_exposed * 1e3}
-    return Prediction("3d", grid, dp, fwd * 1e3, bwd * 1e3, blocks.comm_ms, exposed, memory, detail)
+    comm = blocks.comm_ms - blocks.detail["dp_sync_ms"] + (embedding_fwd + embedding_bwd_comm + head_comm + dp_sync) * 1e3
+    return Prediction("3d", grid, dp, fwd * 1e3, bwd * 1e3, comm, exposed, memory, detail)
 
 
 # ------------------------------------------------------------------ 1-D
