@@ -64,9 +64,30 @@ def rows(paths: list[str], p2p_off_busbw: float | None = None) -> tuple[list[dic
                                     compiled=method.get("compile", False), save_gathered=method.get("save_gathered", True),
                                     half_grads=method.get("half_grads", False))
             out.append({"file": path, "links": meta.get("links", ""), "model": meta["model"], "world": meta["world"],
+                        "variant": " ".join(w for w in case["case"].split()[1:] if "x" not in w and not w.startswith("dp")),
                         "case": case["case"], "step_ms": case["step_ms"], "pred_ms": p.step_ms, "step_err": p.step_ms / case["step_ms"] - 1,
                         "peak_GiB": case["peak_GiB"], "pred_GiB": p.memory_GiB, "mem_err": p.memory_GiB / case["peak_GiB"] - 1})
     return out, skipped
+
+
+def short(path: str) -> str:
+    return os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+
+
+def choices(table: list[dict]) -> list[dict]:
+    """Per file and variant (the case's words besides the grid: ``async``, ``compile``, ...) with two or
+    more grids measured: the case the model predicts fastest against the measured fastest."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in table:
+        if r["variant"].split()[:1] != ["auto"]:  # "3d auto" repeats a measured grid
+            groups.setdefault((r["file"], r["variant"]), []).append(r)
+    out = []
+    for (path, variant), rows in groups.items():
+        if len(rows) > 1:
+            pick, best = min(rows, key=lambda r: r["pred_ms"]), min(rows, key=lambda r: r["step_ms"])
+            out.append({"file": path, "variant": variant, "pick": pick["case"], "pick_ms": pick["step_ms"], "best": best["case"],
+                        "best_ms": best["step_ms"], "loss": pick["step_ms"] / best["step_ms"] - 1})
+    return out
 
 
 def main() -> None:
@@ -80,13 +101,17 @@ def main() -> None:
     print("| file | GPUs | links | model | case | step ms | predicted | error | peak GiB | predicted | error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
-        name = os.path.join(os.path.basename(os.path.dirname(r["file"])), os.path.basename(r["file"]))
-        print(f"| {name} | {r['world']} | {r['links']} | {r['model']} | {r['case']} | {r['step_ms']:.1f} | {r['pred_ms']:.1f} "
+        print(f"| {short(r['file'])} | {r['world']} | {r['links']} | {r['model']} | {r['case']} | {r['step_ms']:.1f} | {r['pred_ms']:.1f} "
               f"| {100 * r['step_err']:+.1f}% | {r['peak_GiB']:.2f} | {r['pred_GiB']:.2f} | {100 * r['mem_err']:+.1f}% |")
     for path in skipped:
         print(f"\nskipped {path}: P2P off and no measured machine (give --p2p-off-busbw to assume one)")
     if not table:
         sys.exit(f"no measured 3d case in {len(args.files)} file(s)")
+    print("\n| file | variant | model's pick | measured ms | measured fastest | ms | pick's loss |")
+    print("|---|---|---|---|---|---|---|")
+    for c in choices(table):
+        print(f"| {short(c['file'])} | {c['variant'] or '(eager)'} | {c['pick']} | {c['pick_ms']:.1f} | {c['best']} | {c['best_ms']:.1f} "
+              f"| {100 * c['loss']:+.1f}% |")
     worst_t = max(table, key=lambda r: abs(r["step_err"]))
     worst_m = max(table, key=lambda r: abs(r["mem_err"]))
     print(f"\n{len(table)} points: worst step-time error {100 * worst_t['step_err']:+.1f}% ({worst_t['case']}, {worst_t['file']}), "
