@@ -186,13 +186,14 @@ def test_auto_resolves_with_a_given_machine():
 
 
 def test_whole_job_predictions_on_the_measured_jobs():
-    """Every 3d case of the whole-job runs on 4× H100 with NVLink (files without a measured machine:
-    DEFAULT_MACHINE at the file's matmul rate); the bound is the worst point, which docs/benchmarks.md names."""
+    """Every 3d case of the whole-job runs on H100s with NVLink (files without a measured machine:
+    DEFAULT_MACHINE at the file's matmul rate); docs/benchmarks.md names the points off by more than 15%."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import check_job_planner
 
     files = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "2026-11-26-h100x*", "**", "job_*.json"), recursive=True))
     points, skipped = check_job_planner.rows(files)
     assert len(points) >= 79 and len(skipped) == 7  # the P2P-off files: no measured links
-    within = [p for p in points if abs(p["step_err"]) <= 0.15]
-    assert len(within) >= 0.8 * len(points)
+    assert sum(abs(p["step_err"]) <= 0.15 for p in points) >= 71  # of 79; the misses: GPT-2's erratic compiled and cold cases
+    assert max(abs(p["step_err"]) for p in points if p["model"].startswith("llama")) < 0.10
+    assert sum(abs(p["mem_err"]) <= 0.15 for p in points) >= 77
