@@ -1,5 +1,6 @@
 """Cost model: step time and memory per GPU of a GPT block stack on every 3-D grid and under 1-D
-tensor parallelism, from the model's shape and the machine's measured rates; picks the best grid.
+tensor parallelism, and of the whole training step on every 3-D grid (:func:`predict_job`), from
+the model's shape and the machine's measured rates (:mod:`lightning_3d.machine`); picks the best grid.
 
 The model counts, per rank and per layer, the GEMM and attention FLOPs, the bytes of the
 memory-bound ops, and the bytes every collective moves, and prices them with the machine's
@@ -16,7 +17,8 @@ then charges only the communication the implementation cannot hide:
   product (barriers, skew); dC's gather fuses into dA's product, or dA's scatter into its own.
 - 1-D (Megatron, DTensor Colwise/Rowwise): two all-reduces of the activations per block in
   forward and two in backward, none hidden; LayerNorms and residuals run replicated on every rank.
-- Data parallelism: one all-reduce of the gradients after backward.
+- Data parallelism: one all-reduce of the gradients after backward (the whole job: DDP's fp32
+  buckets beside backward, charged where backward does not cover them).
 
 Ranks are placed dp-major then x, y, z (z fastest), as :func:`~lightning_3d.grid.init_grid` does,
 and numbered node by node, as launchers number them: :func:`node_axes` derives from that order
@@ -127,12 +129,12 @@ class Machine:
 
     def rates(self) -> dict:
         """The measured part as JSON (no calibration): rates, links by op and group size, node size, memory."""
-        def links(table: dict[int, Link]) -> dict:
-            return {str(g): {"busbw_GBps": l.busbw_GBps, "latency_us": l.latency_us} for g, l in sorted(table.items())}
+        def as_dict(link: Link) -> dict:
+            return {"busbw_GBps": link.busbw_GBps, "latency_us": link.latency_us}
 
         return {"matmul_tflops": self.matmul_tflops, "hbm_GBps": self.hbm_GBps, "gpus_per_node": self.gpus_per_node,
-                "memory_GiB": self.memory_GiB, "intra": {op: links(t) for op, t in self.intra.items()},
-                "inter": {op: {"busbw_GBps": l.busbw_GBps, "latency_us": l.latency_us} for op, l in self.inter.items()}}
+                "memory_GiB": self.memory_GiB, "intra": {op: {str(g): as_dict(link) for g, link in sorted(t.items())} for op, t in self.intra.items()},
+                "inter": {op: as_dict(link) for op, link in self.inter.items()}}
 
     @classmethod
     def from_rates(cls, rates: dict) -> Machine:
