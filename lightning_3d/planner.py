@@ -85,8 +85,8 @@ class Machine:
         logit_bytes: bytes moved per fp32 logit element by the vocabulary-parallel cross-entropy,
             forward and backward together.
         logit_memory_bytes: bytes per logit element alive at the loss (bf16 logits, fp32 copies).
-        dp_bandwidth: fraction of the measured all-reduce bandwidth DDP's fp32 gradient buckets
-            reach while backward runs beside them.
+        dp_busbw_GBps: the most bus bandwidth DDP's gradient all-reduce reaches while backward runs
+            beside it (NCCL's kernels share the GPU with the compute), however fast the link.
         dp_overlap: fraction of the blocks' backward that hides the data-parallel all-reduce.
         ddp_bytes: bytes per parameter shard DDP holds with dp > 1 (its fp32 buckets beside the gradients).
         host_layer_ms: host time per layer and step (eager, ``async_tp``, compiled): a step is
@@ -107,13 +107,13 @@ class Machine:
     overlap_cost: float = 0.4
     peer_overhead_ms: float = 1.5
     pipeline_us: float = 60.0
-    job_gemm_efficiency: float = 0.68
-    eager_gated_passes: tuple[float, float] = (20.0, 40.0)
+    job_gemm_efficiency: float = 0.66
+    eager_gated_passes: tuple[float, float] = (10.0, 20.0)
     compiled_passes: tuple[float, float] = (4.0, 8.0)
-    optimizer_bytes: float = 40.0
+    optimizer_bytes: float = 50.0
     logit_bytes: float = 52.0
     logit_memory_bytes: float = 12.0
-    dp_bandwidth: float = 0.35
+    dp_busbw_GBps: float = 120.0
     dp_overlap: float = 0.5
     host_layer_ms: tuple[float, float, float] = (6.0, 9.0, 11.0)
     ddp_bytes: float = 6.0
@@ -457,7 +457,9 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
 
     params = shape.params / cube
     optimizer = params * m.optimizer_bytes / hbm + (cube * dp > 1) * latency  # the global norm's all-reduce
-    dp_sync = c.seconds("all_reduce", "dp", params, BYTES if half_grads else FP32) / m.dp_bandwidth
+    ddp = m.link("all_reduce", dp, "dp" in c.across)
+    ddp = replace(ddp, busbw_GBps=min(ddp.busbw_GBps, m.dp_busbw_GBps))
+    dp_sync = ddp.seconds(params * (BYTES if half_grads else FP32) * 2 * (dp - 1) / dp) if dp > 1 else 0.0
     dp_exposed = max(0.0, dp_sync - m.dp_overlap * blocks.detail["backward_compute_ms"] * 1e-3)
 
     fwd = blocks.fwd_ms * 1e-3 + embedding_fwd + t_head + head_fwd + final_norm / 2 + loss / 2
