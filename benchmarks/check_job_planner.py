@@ -40,7 +40,7 @@ def machine_of(meta: dict, p2p_off_busbw: float | None, measured: dict[str, dict
     rates = meta.get("machine") or (measured or {}).get(meta.get("links", "nvlink"))
     if rates:
         return planner.Machine.from_rates(rates)
-    m = replace(planner.DEFAULT_MACHINE, matmul_tflops=meta["matmul_tflops"], gpus_per_node=max(meta["world"], 1))
+    m = replace(planner.DEFAULT_MACHINE, matmul_tflops=meta["matmul_tflops"], gpus_per_node=meta["world"])
     if meta.get("links") != "p2p-off":
         return m
     if p2p_off_busbw is None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_3d import machine
-from lightning_3d.machine import copy_gbps, matmul_tflops, median_ms  # noqa: F401 (the benchmarks' device rates)
+from lightning_3d.machine import copy_gbps, matmul_tflops  # noqa: F401 (the benchmarks' device rates)
 
 
 class Timer:
