@@ -9,13 +9,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from lightning_3d import comm
+from lightning_3d import machine
+from lightning_3d.machine import copy_gbps, matmul_tflops  # noqa: F401 (the benchmarks' device rates)
 
 
 class Timer:
@@ -43,74 +43,14 @@ class Timer:
         return out
 
 
-def median_ms(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median time of ``fn()`` over ``iters`` runs after ``warmup``, by device events."""
-    timer = Timer(device)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        timer.mark()
-        fn()
-        timer.mark()
-        times += timer.split()
-    return statistics.median(times)
-
-
 def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def matmul_tflops(device: torch.device, dtype: torch.dtype, n: int, iters: int = 20) -> float:
-    """Rate of an ``n³`` product on this device, TFLOP/s (random operands)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn_like(a)
-    ms = median_ms(lambda: a @ b, device, 3, iters)
-    return 2 * n**3 / ms / 1e9
-
-
-def copy_gbps(device: torch.device, nbytes: int) -> float:
-    """Device memory bandwidth of a large copy, GB/s (bytes read + written)."""
-    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    ms = median_ms(lambda: y.copy_(x), device, 3, 20)
-    return 2 * nbytes / ms / 1e6
+    return machine.slowest(values, device)
 
 
 def collective_rates(device: torch.device, group_size: int, sizes: tuple[int, int], iters: int, small: int, burst: int = 20) -> dict:
-    """Latency (µs) and bus bandwidth (GB/s) of all-gather, reduce-scatter and all-reduce in groups
-    of ``group_size`` consecutive ranks, all groups at once. Bandwidth: the slope ``moved / t``
-    between two message sizes (bytes of the full, gathered tensor); latency: the time per
-    collective of ``burst`` back-to-back ones of ``small`` bytes, as a step issues them (the
-    intercept of the two-point fit is kept as ``intercept_us``)."""
+    """:func:`lightning_3d.machine.collective_rates` in groups of ``group_size`` consecutive ranks, all groups at once."""
     group, _ = dist.new_subgroups(group_size)
-    g = group_size
-    out = {}
-    for op in ("all_gather", "reduce_scatter", "all_reduce"):
-        def timed(nbytes: int, repeat: int) -> tuple[float, float]:
-            full = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
-            part = full[: full.numel() // g].clone()
-            if op == "all_gather":
-                fn, moved = (lambda: comm.all_gather_dim0(part, group)), nbytes * (g - 1) / g
-            elif op == "reduce_scatter":
-                fn, moved = (lambda: comm.reduce_scatter_dim0(full, group)), nbytes * (g - 1) / g
-            else:
-                fn, moved = (lambda: comm.all_reduce(full, group)), 2 * nbytes * (g - 1) / g
-
-            def run() -> None:
-                for _ in range(repeat):
-                    fn()
-
-            return moved, max(all_reduce_max([median_ms(run, device, 3, iters)], device)) * 1e-3 / repeat
-
-        (m0, t0), (m1, t1) = (timed(n, 1) for n in sizes)
-        beta = (m1 - m0) / max(t1 - t0, 1e-9)
-        _, t_small = timed(small, burst)
-        out[op] = {"latency_us": t_small * 1e6, "busbw_GBps": beta / 1e9, "intercept_us": max(t0 - m0 / beta, 0.0) * 1e6,
-                   "points": [{"moved_bytes": m, "ms": t * 1e3} for m, t in ((m0, t0), (m1, t1))]}
-    return out
+    return machine.collective_rates(device, group, group_size, sizes, iters, small, burst)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

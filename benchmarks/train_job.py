@@ -68,7 +68,8 @@ import lightning_3d  # noqa: E402
 from lightning_3d.grad_norm import clip_grad_norm_  # noqa: E402
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig  # noqa: E402
 from lightning_3d.ops.matmul import WeightPrefetch  # noqa: E402
-from lightning_3d.planner import ModelShape  # noqa: E402
+from lightning_3d.machine import measure_machine  # noqa: E402
+from lightning_3d.planner import Machine, ModelShape  # noqa: E402
 from lightning_3d.strategy import grid_rules  # noqa: E402
 
 # name → (GPTConfig fields, global batch, sequence length)
@@ -306,11 +307,12 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
     return Job(step, slice(replica * per, (replica + 1) * per), group, {})
 
 
-def resolve_auto(run: Run, method: Method, config: GPTConfig, batch: int, seq: int) -> Method:
-    """``3d auto``: the grid and dp ``Tensor3DStrategy(grid="auto", model_shape=...)`` resolves to."""
+def resolve_auto(run: Run, method: Method, config: GPTConfig, batch: int, seq: int, machine: Machine) -> Method:
+    """``3d auto``: the grid and dp ``Tensor3DStrategy(grid="auto", model_shape=..., machine=...)`` resolves to,
+    the whole job priced on the ``machine`` measured at the start."""
     shape = ModelShape(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden,
-                       kv_heads=config.n_kv_head, gated=config.style == "llama")
-    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, shape, method.async_tp)
+                       kv_heads=config.n_kv_head, gated=config.style == "llama", vocab=config.vocab_size)
+    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, shape, method.async_tp, machine)
     return dataclasses.replace(method, grid=tuple(grid), dp=dp)
 
 
@@ -436,6 +438,7 @@ def main() -> None:
     else:
         matmul = measure.matmul_tflops(run.device, torch.bfloat16, 8192)
     matmul = -measure.all_reduce_max([-matmul], run.device)[0]
+    machine = measure_machine(run.device, gpus_per_node=run.world)  # one node: torchrun --nproc_per_node
     meta = {"world": run.world, "device": "cpu" if cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
             "nccl": None if cpu else ".".join(map(str, torch.cuda.nccl.version())),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -445,7 +448,7 @@ def main() -> None:
             "model": name, "config": dataclasses.asdict(config), "params": n_params, "batch": batch, "seq": seq,
             "tokens_per_step": batch * seq, "flops_per_step": flops, "matmul_tflops": matmul,
             "precision": "fp32 (cpu)" if cpu else "bf16 mixed, fp32 master weights", "optimizer": f"AdamW lr {LR} wd {WEIGHT_DECAY}, fused",
-            "clip": CLIP}
+            "clip": CLIP, "machine": machine.rates()}
     run.log(f"{name}: {n_params / 1e9:.2f}B parameters, batch {batch}×{seq}, world {run.world} on {meta['device']}, "
             f"links {args.links}, matmul {matmul:.0f} TFLOP/s")
     size = f"_L{config.n_layer}" if args.layers else ""
@@ -465,7 +468,7 @@ def main() -> None:
         entry = {"case": label}
         if method.kind == "3d" and method.grid is None:
             try:
-                method = resolve_auto(run, method, config, batch, seq)
+                method = resolve_auto(run, method, config, batch, seq, machine)
             except ValueError as e:
                 cases.append(dict(entry, error=f"auto: {e}"))
                 continue

@@ -1,5 +1,6 @@
 """Cost model: step time and memory per GPU of a GPT block stack on every 3-D grid and under 1-D
-tensor parallelism, from the model's shape and the machine's measured rates; picks the best grid.
+tensor parallelism, and of the whole training step on every 3-D grid (:func:`predict_job`), from
+the model's shape and the machine's measured rates (:mod:`lightning_3d.machine`); picks the best grid.
 
 The model counts, per rank and per layer, the GEMM and attention FLOPs, the bytes of the
 memory-bound ops, and the bytes every collective moves, and prices them with the machine's
@@ -16,7 +17,8 @@ then charges only the communication the implementation cannot hide:
   product (barriers, skew); dC's gather fuses into dA's product, or dA's scatter into its own.
 - 1-D (Megatron, DTensor Colwise/Rowwise): two all-reduces of the activations per block in
   forward and two in backward, none hidden; LayerNorms and residuals run replicated on every rank.
-- Data parallelism: one all-reduce of the gradients after backward.
+- Data parallelism: one all-reduce of the gradients after backward (the whole job: DDP's fp32
+  buckets beside backward, charged where backward does not cover them).
 
 Ranks are placed dp-major then x, y, z (z fastest), as :func:`~lightning_3d.grid.init_grid` does,
 and numbered node by node, as launchers number them: :func:`node_axes` derives from that order
@@ -72,6 +74,23 @@ class Machine:
             behind its kernels (``predict_1d(..., anchor=True)``).
         pipeline_us: what a collective matmul (``async_tp``) exposes besides its copies' excess
             over the product: its barriers and the ranks' skew, µs per product (fitted).
+        job_gemm_efficiency: ``gemm_efficiency`` of the blocks in the whole training job
+            (:func:`predict_job`: fp32 master weights under autocast, sustained clocks).
+        eager_gated_passes: ``passes_fwd, passes_bwd`` added to gated (Llama-style: SwiGLU,
+            RMSNorm, rotary embedding) blocks run eagerly; compiled blocks fuse them away.
+        compiled_passes: ``passes_fwd, passes_bwd`` of blocks run through ``torch.compile``.
+        optimizer_bytes: bytes moved per parameter shard and step by the gradient-norm clipping,
+            the fused AdamW step (fp32 parameter, gradient and two moments), the fp32 gradient
+            accumulation and the bf16 casts of the weights.
+        logit_bytes: bytes moved per fp32 logit element by the vocabulary-parallel cross-entropy,
+            forward and backward together.
+        logit_memory_bytes: bytes per logit element alive at the loss (bf16 logits, fp32 copies).
+        dp_busbw_GBps: the most bus bandwidth DDP's gradient all-reduce reaches while backward runs
+            beside it (NCCL's kernels share the GPU with the compute), however fast the link.
+        dp_overlap: fraction of the blocks' backward that hides the data-parallel all-reduce.
+        ddp_bytes: bytes per parameter shard DDP holds with dp > 1 (its fp32 buckets beside the gradients).
+        host_layer_ms: host time per layer and step (eager, ``async_tp``, compiled): a step is
+            never shorter than the host takes to issue it.
     """
 
     matmul_tflops: float
@@ -88,6 +107,16 @@ class Machine:
     overlap_cost: float = 0.4
     peer_overhead_ms: float = 1.5
     pipeline_us: float = 60.0
+    job_gemm_efficiency: float = 0.66
+    eager_gated_passes: tuple[float, float] = (10.0, 20.0)
+    compiled_passes: tuple[float, float] = (4.0, 8.0)
+    optimizer_bytes: float = 50.0
+    logit_bytes: float = 52.0
+    logit_memory_bytes: float = 12.0
+    dp_busbw_GBps: float = 120.0
+    dp_overlap: float = 0.5
+    host_layer_ms: tuple[float, float, float] = (6.0, 9.0, 11.0)
+    ddp_bytes: float = 6.0
 
     def link(self, op: str, size: int, spans_nodes: bool) -> Link:
         """The Link of ``op`` in a group of ``size`` ranks (the nearest measured size inside a node)."""
@@ -97,6 +126,24 @@ class Machine:
         if size in table:
             return table[size]
         return table[min(table, key=lambda g: (abs(math.log(g / size)), -g))]
+
+    def rates(self) -> dict:
+        """The measured part as JSON (no calibration): rates, links by op and group size, node size, memory."""
+        def as_dict(link: Link) -> dict:
+            return {"busbw_GBps": link.busbw_GBps, "latency_us": link.latency_us}
+
+        return {"matmul_tflops": self.matmul_tflops, "hbm_GBps": self.hbm_GBps, "gpus_per_node": self.gpus_per_node,
+                "memory_GiB": self.memory_GiB, "intra": {op: {str(g): as_dict(link) for g, link in sorted(t.items())} for op, t in self.intra.items()},
+                "inter": {op: as_dict(link) for op, link in self.inter.items()}}
+
+    @classmethod
+    def from_rates(cls, rates: dict) -> Machine:
+        """The inverse of :meth:`rates`, with :data:`DEFAULT_MACHINE`'s calibration (and its links for an
+        op measured in no group, as on one GPU)."""
+        return replace(DEFAULT_MACHINE, matmul_tflops=rates["matmul_tflops"], hbm_GBps=rates["hbm_GBps"],
+                       gpus_per_node=rates["gpus_per_node"], memory_GiB=rates["memory_GiB"],
+                       intra={op: {int(g): Link(**v) for g, v in t.items()} or DEFAULT_MACHINE.intra[op] for op, t in rates["intra"].items()},
+                       inter={op: Link(**v) for op, v in rates["inter"].items()})
 
     @classmethod
     def from_bench(cls, hardware: dict, **overrides) -> Machine:
@@ -129,7 +176,9 @@ DEFAULT_MACHINE = Machine(
 class ModelShape:
     """A stack of ``layers`` GPT blocks (fused q/k/v, then an MLP of ``ffn`` hidden units) on
     ``batch`` sequences of ``seq`` tokens: the global batch of one step. ``kv_heads`` (default
-    ``heads``) below ``heads`` is grouped-query attention; ``gated`` is a SwiGLU MLP (gate and up)."""
+    ``heads``) below ``heads`` is grouped-query attention; ``gated`` is a SwiGLU MLP (gate and up).
+    ``vocab`` (tokens of an untied embedding and LM head) makes it a whole model: :func:`predict_job`
+    prices its training step, and :func:`best_grid` ranks grids by that."""
 
     hidden: int
     heads: int
@@ -139,6 +188,7 @@ class ModelShape:
     ffn: int | None = None
     kv_heads: int | None = None
     gated: bool = False
+    vocab: int | None = None
 
     @property
     def ffn_hidden(self) -> int:
@@ -162,6 +212,12 @@ class ModelShape:
         """Matmul weights of one block: q/k/v, the attention projection, the MLP's two."""
         h = self.hidden
         return h * self.qkv_out + h * h + h * self.fc1_out + self.ffn_hidden * h
+
+    @property
+    def params(self) -> int:
+        """Parameters that train: the blocks' matmul weights, and with ``vocab`` the embedding and LM head
+        (norms, biases and learned positions are under 0.5% of these)."""
+        return self.layers * self.block_weights + 2 * (self.vocab or 0) * self.hidden
 
     @property
     def flops(self) -> float:
@@ -224,25 +280,30 @@ def node_axes(grid: tuple[int, int, int], dp: int, machine: Machine = None) -> t
 # ------------------------------------------------------------------ 3-D
 
 
-def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machine: Machine = None,
-               save_gathered: bool = True, async_tp: bool = False) -> Prediction:
-    """Predicted step of ``shape`` on ``grid`` with ``dp`` replicas (weight prefetch on); with
-    ``async_tp``, the activation gathers and scatters next to a product run as collective matmuls."""
-    m = machine or DEFAULT_MACHINE
-    px, py, pz = grid
-    cube = px * py * pz
-    sizes = {"x": px, "y": py, "z": pz, "dp": dp}
-    across = node_axes(grid, dp, m)
-    h, f, L = shape.hidden, shape.ffn_hidden, shape.layers
-    tokens = shape.batch * shape.seq / dp  # per replica
+class _Collectives:
+    """Seconds of the collectives of ``grid`` × ``dp`` ranks on ``machine``, by axis (``"x"``, ``"y"``, ``"z"``, ``"dp"``)."""
 
-    def coll(op: str, axis: str, full_elements: float) -> float:
-        """Seconds of ``op`` over ``axis`` whose gathered (or pre-scatter) tensor has ``full_elements``."""
-        g = sizes[axis]
+    def __init__(self, grid: tuple[int, int, int], dp: int, machine: Machine):
+        px, py, pz = grid
+        self.machine = machine
+        self.sizes = {"x": px, "y": py, "z": pz, "dp": dp}
+        self.across = node_axes(grid, dp, machine)
+
+    def seconds(self, op: str, axis: str, full_elements: float, element_bytes: int = BYTES) -> float:
+        """``op`` over ``axis`` whose gathered (or pre-scatter) tensor has ``full_elements``."""
+        g = self.sizes[axis]
         if g == 1:
             return 0.0
-        moved = full_elements * BYTES * (g - 1) / g * (2 if op == "all_reduce" else 1)
-        return m.link(op, g, axis in across).seconds(moved)
+        moved = full_elements * element_bytes * (g - 1) / g * (2 if op == "all_reduce" else 1)
+        return self.machine.link(op, g, axis in self.across).seconds(moved)
+
+
+def _product(c: _Collectives, tokens: float, r: str, fa: str, n: int, k: int, rate: float, save_gathered: bool,
+             async_tp: bool) -> tuple[float, float, float, float]:
+    """One 3-D product ``[tokens, n] @ [n, k]`` whose input is split over ``r`` and features over ``fa``:
+    seconds of its forward GEMM, of the communication forward and backward expose, and of all its communication."""
+    m, sizes = c.machine, c.sizes
+    px = sizes["x"]
 
     def exposed(t_coll: float, axis: str, t_mm: float) -> float:
         """What a gather or scatter over ``axis`` next to a product of ``t_mm`` exposes: all of it,
@@ -252,32 +313,51 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
             return t_coll
         return max(0.0, t_coll - t_mm * (g - 1) / g) + m.pipeline_us * 1e-6
 
+    a_full = tokens / px * n / sizes[fa]  # A gathered over r
+    w_full = k / sizes[r] * n / sizes[fa]  # W gathered over x
+    c_full = tokens / px * k / sizes[r]  # C before the reduce-scatter over f
+    t_mm = 2 * a_full * k / sizes[r] / rate
+    ag_a, ag_w, rs_c = c.seconds("all_gather", r, a_full), c.seconds("all_gather", "x", w_full), c.seconds("reduce_scatter", fa, c_full)
+    ag_dc, rs_da, rs_dw = c.seconds("all_gather", fa, c_full), c.seconds("reduce_scatter", r, a_full), c.seconds("reduce_scatter", "x", w_full)
+    regather = 0.0 if save_gathered else max(ag_a, ag_w)
+    comm = ag_a + ag_w + rs_c + ag_dc + rs_da + rs_dw + (0.0 if save_gathered else ag_a + ag_w)
+    # forward: the gather of A is fused with the product where r > 1, else the scatter of C
+    fused_ag = async_tp and sizes[r] > 1
+    fwd = exposed(ag_a, r, t_mm) + max(0.0, ag_w - t_mm) + (rs_c if fused_ag else exposed(rs_c, fa, t_mm))
+    if async_tp and sizes[fa] > 1:  # dC's gather fused into dA's product; dA's scatter hides behind dW's
+        bwd = max(exposed(ag_dc, fa, t_mm), regather) + max(0.0, rs_da - t_mm) + rs_dw
+    elif async_tp and sizes[r] > 1:  # dA's scatter fused; dW's hides behind it when dW runs first
+        bwd = max(ag_dc, regather) + exposed(rs_da, r, t_mm) + (max(0.0, rs_dw - t_mm) if rs_dw >= rs_da else rs_dw)
+    else:  # the larger scatter hides behind the other product, the smaller is exposed
+        larger, smaller = max(rs_da, rs_dw), min(rs_da, rs_dw)
+        bwd = max(ag_dc, regather) + max(0.0, larger - t_mm) + smaller
+    return t_mm, fwd, bwd, comm
+
+
+def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machine: Machine = None,
+               save_gathered: bool = True, async_tp: bool = False) -> Prediction:
+    """Predicted step of ``shape``'s block stack on ``grid`` with ``dp`` replicas (weight prefetch on);
+    with ``async_tp``, the activation gathers and scatters next to a product run as collective matmuls."""
+    m = machine or DEFAULT_MACHINE
+    px, py, pz = grid
+    cube = px * py * pz
+    c = _Collectives(grid, dp, m)
+    across = c.across
+    h, f, L = shape.hidden, shape.ffn_hidden, shape.layers
+    tokens = shape.batch * shape.seq / dp  # per replica
+
     rate = m.matmul_tflops * 1e12 * m.gemm_efficiency
     # the four products of a block: (input axis r, feature axis f, in N, out K)
     products = [("y", "z", h, shape.qkv_out), ("z", "y", h, h), ("y", "z", h, shape.fc1_out), ("z", "y", f, h)]
     fwd_exposed = bwd_exposed = comm = 0.0
     mm_fwd = []
     for r, fa, n, k in products:
-        a_full = tokens / px * n / sizes[fa]  # A gathered over r
-        w_full = k / sizes[r] * n / sizes[fa]  # W gathered over x
-        c_full = tokens / px * k / sizes[r]  # C before the reduce-scatter over f
-        t_mm = 2 * a_full * k / sizes[r] / rate
+        t_mm, fwd_p, bwd_p, comm_p = _product(c, tokens, r, fa, n, k, rate, save_gathered, async_tp)
         mm_fwd.append(t_mm)
-        ag_a, ag_w, rs_c = coll("all_gather", r, a_full), coll("all_gather", "x", w_full), coll("reduce_scatter", fa, c_full)
-        ag_dc, rs_da, rs_dw = coll("all_gather", fa, c_full), coll("reduce_scatter", r, a_full), coll("reduce_scatter", "x", w_full)
-        regather = 0.0 if save_gathered else max(ag_a, ag_w)
-        comm += ag_a + ag_w + rs_c + ag_dc + rs_da + rs_dw + (0.0 if save_gathered else ag_a + ag_w)
-        # forward: the gather of A is fused with the product where r > 1, else the scatter of C
-        fused_ag = async_tp and sizes[r] > 1
-        fwd_exposed += exposed(ag_a, r, t_mm) + max(0.0, ag_w - t_mm) + (rs_c if fused_ag else exposed(rs_c, fa, t_mm))
-        if async_tp and sizes[fa] > 1:  # dC's gather fused into dA's product; dA's scatter hides behind dW's
-            bwd_exposed += max(exposed(ag_dc, fa, t_mm), regather) + max(0.0, rs_da - t_mm) + rs_dw
-        elif async_tp and sizes[r] > 1:  # dA's scatter fused; dW's hides behind it when dW runs first
-            bwd_exposed += max(ag_dc, regather) + exposed(rs_da, r, t_mm) + (max(0.0, rs_dw - t_mm) if rs_dw >= rs_da else rs_dw)
-        else:  # the larger scatter hides behind the other product, the smaller is exposed
-            larger, smaller = max(rs_da, rs_dw), min(rs_da, rs_dw)
-            bwd_exposed += max(ag_dc, regather) + max(0.0, larger - t_mm) + smaller
-    fwd_exposed = fwd_exposed * L + coll("all_gather", "x", products[0][3] / py * h / pz)  # first weight of the step
+        comm += comm_p
+        fwd_exposed += fwd_p
+        bwd_exposed += bwd_p
+    fwd_exposed = fwd_exposed * L + c.seconds("all_gather", "x", products[0][3] / py * h / pz)  # first weight of the step
     bwd_exposed *= L
     # latency-bound all-reduces: the biases' gradients (replicated over x and the feature axis),
     # the norms' (over x and y), and with pz > 1 the norms' statistics (4 in forward, 2 in backward)
@@ -311,7 +391,9 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     transient = tokens * h / cube * 5  # the input block and the loss's fp32 copies
     memory = _peak(weights / cube, saved_w + act + transient, L)
     return Prediction("3d", grid, dp, fwd * 1e3, bwd * 1e3, (comm + dp_sync) * 1e3, (fwd_exposed + bwd_exposed + dp_sync) * 1e3,
-                      memory, {"dp_sync_ms": dp_sync * 1e3, "hidden_comm_ms": hidden * 1e3})
+                      memory, {"dp_sync_ms": dp_sync * 1e3, "hidden_comm_ms": hidden * 1e3,
+                               "backward_compute_ms": L * (2 * (sum(mm_fwd) + attn) + t_mem_bwd) * 1e3,
+                               "activations_GiB": (saved_w + act + transient) * BYTES / 2**30})
 
 
 def _peak(params: float, saved: float, layers: int) -> float:
@@ -326,6 +408,74 @@ def _dp_all_reduce(m: Machine, shape: ModelShape, model_parallel: int, dp: int, 
     grads = shape.layers * shape.block_weights / model_parallel
     link = m.link("all_reduce", dp, spans_nodes)
     return link.seconds(grads * BYTES * 2 * (dp - 1) / dp)
+
+
+# ------------------------------------------------------------------ the whole training job
+
+FP32 = 4  # master weights, their gradients, Adam's moments, embedding outputs, loss arithmetic
+
+
+def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machine: Machine = None, *,
+                async_tp: bool = False, compiled: bool = False, save_gathered: bool = True, half_grads: bool = False) -> Prediction:
+    """Predicted whole training step of ``shape`` (``vocab`` required) on ``grid`` with ``dp`` replicas,
+    as ``Tensor3DStrategy`` trains it under bf16 mixed precision with fp32 master weights.
+
+    The step is :func:`predict_3d`'s blocks (``compiled``: with :attr:`Machine.compiled_passes`) and
+    the embedding lookup (fp32 weight ``[V/py, h/pz]`` gathered over x, output scattered over y), the
+    final norm, the LM head as a 3-D product (weight ``[V, h]``, z→y), the cross-entropy over the fp32
+    logits ``[tokens/(px·pz), V/py]`` with its three small all-reduces, the fp32 gradient all-reduce
+    over dp (bf16 with ``half_grads``; DDP's buckets overlap the blocks' backward: only the rest is charged), the
+    gradient-norm all-reduce, clipping, AdamW and the weight casts; never less than the host takes to
+    issue the step (:attr:`Machine.host_layer_ms`). Memory: the fp32 parameters and
+    Adam's two moments of each shard (and DDP's gradient buckets with dp > 1), the bf16 weight
+    copies autocast keeps, the activations, and the logits at the loss.
+    """
+    if shape.vocab is None:
+        raise ValueError(f"predict_job needs the vocabulary: ModelShape(..., vocab=V) (the tokens of the embedding and LM head); "
+                         f"{shape} prices the block stack only (predict_3d)")
+    m = machine or DEFAULT_MACHINE
+    px, py, pz = grid
+    cube = px * py * pz
+    h, V = shape.hidden, shape.vocab
+    passes = m.compiled_passes if compiled else (m.passes_fwd + m.eager_gated_passes[0] * shape.gated,
+                                                  m.passes_bwd + m.eager_gated_passes[1] * shape.gated)
+    blocks = predict_3d(shape, grid, dp, replace(m, gemm_efficiency=m.job_gemm_efficiency, passes_fwd=passes[0], passes_bwd=passes[1]),
+                        save_gathered, async_tp)
+    c = _Collectives(grid, dp, m)
+    rate, hbm = m.matmul_tflops * 1e12 * m.job_gemm_efficiency, m.hbm_GBps * 1e9
+    tokens = shape.batch * shape.seq / dp  # per replica
+    latency = m.link("all_reduce", cube, any(a in c.across for a in "xyz")).latency_us * 1e-6
+
+    emb_w, emb_out = V / py * h / pz, tokens / px * h / pz
+    embedding_fwd = c.seconds("all_gather", "x", emb_w, FP32) + c.seconds("reduce_scatter", "y", emb_out, FP32)
+    embedding_bwd_comm = c.seconds("all_gather", "y", emb_out, FP32) + c.seconds("reduce_scatter", "x", emb_w, FP32)
+    embedding_bwd = embedding_bwd_comm + 2 * emb_w * FP32 / hbm  # the zeroed gradient block, written and scattered into
+    t_head, head_fwd, head_bwd, head_comm = _product(c, tokens, "z", "y", h, V, rate, save_gathered, async_tp)
+    logits = tokens * V / cube
+    loss = logits * m.logit_bytes / hbm + (2 * (py > 1) + (px * pz > 1)) * latency  # row max and sums over y, the totals over x·z
+    final_norm = tokens * h / cube * BYTES * (m.passes_fwd + m.passes_bwd) / shape.layers / hbm
+
+    params = shape.params / cube
+    optimizer = params * m.optimizer_bytes / hbm + (cube * dp > 1) * latency  # the global norm's all-reduce
+    ddp = m.link("all_reduce", dp, "dp" in c.across)
+    ddp = replace(ddp, busbw_GBps=min(ddp.busbw_GBps, m.dp_busbw_GBps))
+    dp_sync = ddp.seconds(params * (BYTES if half_grads else FP32) * 2 * (dp - 1) / dp) if dp > 1 else 0.0
+    dp_exposed = max(0.0, dp_sync - m.dp_overlap * blocks.detail["backward_compute_ms"] * 1e-3)
+
+    fwd = blocks.fwd_ms * 1e-3 + embedding_fwd + t_head + head_fwd + final_norm / 2 + loss / 2
+    bwd = ((blocks.bwd_ms - blocks.detail["dp_sync_ms"]) * 1e-3 + embedding_bwd + 2 * t_head + head_bwd + final_norm / 2
+           + loss / 2 + dp_exposed + optimizer)
+    pipelined = async_tp and py * pz > 1  # collective matmuls need an activation axis
+    host = shape.layers * m.host_layer_ms[2 if compiled else 1 if pipelined else 0] * 1e-3
+    bwd += max(0.0, host - fwd - bwd)  # the GPU waits for the host
+    static = params * (3 * FP32 + (m.ddp_bytes if dp > 1 else 0)) + shape.layers * shape.block_weights / cube * BYTES
+    memory = static / 2**30 + blocks.detail["activations_GiB"] + logits * m.logit_memory_bytes / 2**30
+    exposed = blocks.exposed_comm_ms - blocks.detail["dp_sync_ms"] + (embedding_fwd + embedding_bwd_comm + head_fwd + head_bwd + dp_exposed) * 1e3
+    detail = {"blocks_ms": blocks.step_ms - blocks.detail["dp_sync_ms"], "embedding_ms": (embedding_fwd + embedding_bwd) * 1e3,
+              "head_ms": (3 * t_head + head_fwd + head_bwd) * 1e3, "loss_ms": loss * 1e3, "optimizer_ms": optimizer * 1e3,
+              "dp_sync_ms": dp_sync * 1e3, "dp_exposed_ms": dp_exposed * 1e3}
+    comm = blocks.comm_ms - blocks.detail["dp_sync_ms"] + (embedding_fwd + embedding_bwd_comm + head_comm + dp_sync) * 1e3
+    return Prediction("3d", grid, dp, fwd * 1e3, bwd * 1e3, comm, exposed, memory, detail)
 
 
 # ------------------------------------------------------------------ 1-D
@@ -375,10 +525,12 @@ def cube_grids(n: int) -> list[tuple[int, int, int]]:
 
 
 def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1d: bool = True,
-               async_tp: bool = False) -> list[Prediction]:
+               async_tp: bool = False, compiled: bool = False) -> list[Prediction]:
     """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest; with
     ``async_tp`` as collective matmuls, on cubes inside one node only) and, with ``include_1d``,
-    every 1-D TP size up to a node with dp, sorted by predicted step time."""
+    every 1-D TP size up to a node with dp, sorted by predicted step time. With ``shape.vocab`` the
+    3-D grids are priced as whole training steps (:func:`predict_job`, blocks ``compiled`` or not)
+    and no 1-D layout is offered (its model prices block stacks only)."""
     m = machine or DEFAULT_MACHINE
     out = []
     for cube in (c for c in range(1, world + 1) if world % c == 0):
@@ -386,8 +538,11 @@ def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1
             continue  # collective matmuls need every cube inside one node (its NVLink domain)
         for grid in cube_grids(cube):
             if grid_error(shape, grid, world // cube) is None:
-                out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp))
-    if include_1d:
+                if shape.vocab is None:
+                    out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp))
+                else:
+                    out.append(predict_job(shape, grid, world // cube, m, async_tp=async_tp, compiled=compiled))
+    if include_1d and shape.vocab is None:
         for tp in (t for t in range(1, min(world, m.gpus_per_node) + 1) if world % t == 0):
             kv_heads = shape.kv_heads if shape.kv_heads is not None else shape.heads
             if kv_heads % tp == 0 and shape.batch % (world // tp) == 0:
@@ -401,19 +556,21 @@ def fits(p: Prediction, machine: Machine = None) -> bool:
 
 def best_grid(hidden: int, heads: int, seq: int, batch: int, layers: int, world: int,
               machine: Machine = None, ffn: int | None = None, async_tp: bool = False,
-              kv_heads: int | None = None, gated: bool = False) -> tuple[int, int, int]:
+              kv_heads: int | None = None, gated: bool = False, vocab: int | None = None,
+              compiled: bool = False) -> tuple[int, int, int]:
     """The ``(px, py, pz)`` with the lowest predicted step time that fits in memory (dp = world /
     px·py·pz); the model is the global-batch GPT stack of ``hidden``, ``heads``, ``seq``, ``batch``
-    and ``layers`` (``ffn``, ``kv_heads`` and ``gated`` as :class:`ModelShape`), its products
-    collective matmuls with ``async_tp``. This is what
-    ``grid="auto"`` uses when the model's shape is known.
+    and ``layers`` (``ffn``, ``kv_heads``, ``gated`` and ``vocab`` as :class:`ModelShape`: with
+    ``vocab``, the whole training step of :func:`predict_job`, its blocks ``compiled`` or not), its
+    products collective matmuls with ``async_tp``. This is what ``grid="auto"`` uses when the
+    model's shape is known.
 
     Raises:
         ValueError: no grid divides the shape, or none fits in memory.
     """
     m = machine or DEFAULT_MACHINE
-    shape = ModelShape(hidden, heads, seq, batch, layers, ffn, kv_heads, gated)
-    options = candidates(shape, world, m, include_1d=False, async_tp=async_tp)
+    shape = ModelShape(hidden, heads, seq, batch, layers, ffn, kv_heads, gated, vocab)
+    options = candidates(shape, world, m, include_1d=False, async_tp=async_tp, compiled=compiled)
     if not options:
         raise ValueError(f"no px·py·pz grid with dp filling {world} ranks divides hidden={hidden}, heads={heads}, batch={batch}; "
                          f"use a batch that is a multiple of {world} and heads/hidden divisible by the grid")

@@ -70,6 +70,7 @@ def test_train_job_smoke_on_cpu(tmp_path):
     _check_same_job(data, labels)
     assert data["cases"][4]["picks"].startswith("3d ")
     assert data["meta"]["tokens_per_step"] == 8 * 16 and data["meta"]["flops_per_step"] > 0
+    assert all(link["busbw_GBps"] > 0 for link in data["meta"]["machine"]["intra"]["all_reduce"].values())  # measured links
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import job_report
 

@@ -129,6 +129,23 @@ def test_auto_grid_from_the_cost_model():
         grid_rules.resolve("auto", "auto", 4, 4, ModelShape(4096, 32, 2048, 3, 4))
 
 
+def test_auto_grid_prices_with_the_given_machine():
+    """``Tensor3DStrategy(machine=...)``: slow links (15 GB/s, as through host memory) move Llama 7B's whole
+    job on 4 GPUs from 4×1×1 to 2×2×1, resolved in the launching process."""
+    import dataclasses
+
+    import lightning.pytorch as pl
+
+    from lightning_3d.planner import DEFAULT_MACHINE, Link, ModelShape
+    from lightning_3d import Tensor3DStrategy
+
+    shape = ModelShape(4096, 32, 2048, 8, 32, 11008, kv_heads=8, gated=True, vocab=32000)
+    slow = dataclasses.replace(DEFAULT_MACHINE, intra={op: {g: Link(15.0, 50.0) for g in t} for op, t in DEFAULT_MACHINE.intra.items()})
+    picks = [pl.Trainer(accelerator="cpu", devices=4, strategy=Tensor3DStrategy(model_shape=shape, machine=m), logger=False)
+             .strategy._resolve_grid() for m in (None, slow)]
+    assert picks == [((4, 1, 1), 1), ((2, 2, 1), 1)]
+
+
 def test_grid_rules_and_errors():
     assert grid_rules.resolve("auto", "auto", 16, 8) == ((2, 2, 2), 2)  # two nodes of 8: dp across nodes
     assert grid_rules.resolve("auto", 2, 8, 8) == ((2, 2, 1), 2)

@@ -103,10 +103,14 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         timeout: collective timeout (timedelta or seconds, positive and finite): how long a rank
             waits for a dead or stalled peer before the run fails.
         model_shape: ``planner.ModelShape(hidden, heads, seq, batch, layers, ...)`` of the model
-            and global batch (``kv_heads``, ``gated`` for Llama-style blocks), for ``grid="auto"``.
+            and global batch (``kv_heads``, ``gated`` for Llama-style blocks; ``vocab``: priced as the
+            whole training step), for ``grid="auto"``.
         async_tp: run the activation gathers and scatters of the 3-D products as collective
             matmuls over symmetric memory (the model's ``RuntimeOptions.async_tp``, set at setup; GPUs of one NVLink
             domain); see ``docs/benchmarks.md`` for where it pays.
+        machine: the rates ``grid="auto"`` prices with, e.g. ``planner.Machine.from_rates(...)`` of
+            what :func:`lightning_3d.machine.measure_machine` measured on these nodes (slow links
+            change the choice); default ``planner.DEFAULT_MACHINE``.
         checkpoint_on_preemption: where to save a checkpoint when any rank receives SIGTERM or
             SIGINT during training; every rank then stops at the same step and exits with status
             ``128 + signal`` (:mod:`lightning_3d.strategy.preemption`). None: stop without saving.
@@ -138,6 +142,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         model_shape: ModelShape | None = None,
         async_tp: bool = False,
+        machine: planner.Machine | None = None,
         checkpoint_on_preemption: str | os.PathLike | None = None,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
@@ -154,6 +159,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         self._grid_arg = grid_rules.check_grid_arg(grid)
         self._dp_arg = grid_rules.check_dp_arg(data_parallel_size)
         self._model_shape = model_shape
+        self._machine = machine
         self.async_tp = arguments.flag(async_tp, "async_tp")
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
             raise ValueError(f"zero_stage must be 0 or 1 (optimizer state sharded over dp), got {zero_stage!r}")
@@ -188,7 +194,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         """``(px, py, pz)`` and dp for this world; :class:`ConfigurationError` naming the fix when they cannot be."""
         with same_on_every_rank():
             shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape,
-                                           self.async_tp)
+                                           self.async_tp, self._machine)
         why = None if self._model_shape is None else planner.grid_error(self._model_shape, shape, dp)
         if why is not None:
             raise ConfigurationError(f"model_shape={self._model_shape} does not split on the {'×'.join(map(str, shape))} grid "

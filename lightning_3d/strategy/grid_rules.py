@@ -28,12 +28,14 @@ def check_dp_arg(dp) -> str | int:
 
 
 def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices_per_node: int,
-            model_shape: planner.ModelShape | None = None, async_tp: bool = False) -> tuple[tuple[int, int, int], int]:
+            model_shape: planner.ModelShape | None = None, async_tp: bool = False,
+            machine: planner.Machine | None = None) -> tuple[tuple[int, int, int], int]:
     """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
 
     ``grid="auto"`` with dp ``"auto"`` and a ``model_shape`` takes the cost model's fastest grid
     that fits (:func:`lightning_3d.planner.best_grid`, nodes of ``devices_per_node`` GPUs, links
-    between them priced as such); without a shape it factors the devices of one node, so that
+    between them priced as such), on ``machine``'s rates (:func:`lightning_3d.machine.measure_machine`;
+    default :data:`~lightning_3d.planner.DEFAULT_MACHINE`); without a shape it factors the devices of one node, so that
     each cube lies inside a node and dp spans the nodes (or ``world / dp`` when dp is given).
     ``data_parallel_size="auto"`` takes the rest.
 
@@ -42,7 +44,7 @@ def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices
     """
     if grid == "auto":
         if dp == "auto" and model_shape is not None:
-            machine = dataclasses.replace(planner.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
+            machine = dataclasses.replace(machine or planner.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
             shape = planner.best_grid(**dataclasses.asdict(model_shape), world=world, machine=machine, async_tp=async_tp)
             return shape, world // math.prod(shape)
         if dp == "auto":
