@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from . import comm
 from .grid import CUBE_AXES, Grid
@@ -124,8 +123,8 @@ def get_spec(tensor: torch.Tensor) -> ShardSpec | None:
     return getattr(tensor, SPEC_ATTR, None)
 
 
-def replicated_grad_group(spec: ShardSpec, grid: Grid, already_summed: str = "") -> dist.ProcessGroup | None:
-    """Group over which a parameter's gradient is summed inside the cube, leaving out the axes in
-    ``already_summed`` (None when nothing is left to sum)."""
+def replicated_grad_axes(spec: ShardSpec, grid: Grid, already_summed: str = "") -> str:
+    """Axes over which a parameter's gradient is summed inside the cube, leaving out the axes in
+    ``already_summed`` (``""`` when nothing is left to sum)."""
     axes = "".join(a for a in spec.replicated_axes if a not in already_summed)
-    return grid.group(axes) if axes and grid.size(axes) > 1 else None
+    return axes if axes and grid.size(axes) > 1 else ""

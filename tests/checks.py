@@ -63,7 +63,27 @@ def assert_close(results: list, tol: float = TOL) -> None:
     assert not bad, f"errors above {tol}: {bad[:10]}"
 
 
-__all__ = ["GRIDS_8", "ShardSpec", "TOL", "assert_close", "compare_module", "local", "on_grids", "rel", "seed_for"]
+def nodes_named(t: torch.Tensor, name: str) -> int:
+    """How many nodes of the autograd graph behind ``t`` are named ``name``."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo += [nxt for nxt, _ in node.next_functions]
+    return sum(type(node).__name__ == name for node in seen)
+
+
+def sums_replicas(modules, grid) -> bool:
+    """Whether any of the 3-D ``modules`` has a parameter whose gradient is summed over replicas on ``grid``."""
+    from lightning_3d.layers.base import Module3D
+    from lightning_3d.sharding import replicated_grad_axes
+
+    return any(replicated_grad_axes(get_spec(p), grid, summed)
+               for m in modules if isinstance(m, Module3D) for p, summed in m.replicated_parameters())
+
+
+__all__ = ["GRIDS_8", "ShardSpec", "TOL", "assert_close", "compare_module", "local", "nodes_named", "on_grids", "rel", "seed_for", "sums_replicas"]
 
 
 def value_error(fn) -> str:

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from checks import GRIDS_8, assert_close, local, on_grids, rel, seed_for, value_error
+from checks import GRIDS_8, assert_close, local, nodes_named, on_grids, rel, seed_for, sums_replicas, value_error
 from lightning_3d.layout import gather_activation
 from lightning_3d.models import DenseGPT, FusedLinear3D, GPT3D, GPTConfig, dense_state_dict_from_hf, gpt_config_from_hf
 from lightning_3d.options import RuntimeOptions
@@ -66,9 +66,11 @@ def equivalence(grid, style, options=None):
     with torch.no_grad():
         logits = full_logits(model, idx)
     loss = model(idx, targets)
+    sums = nodes_named(loss, "_SumGradsOverReplicasBackward")
     loss.backward()
     wte = model.transformer.wte.weight
     errs = {
+        "one_replica_sum_per_step": float(sums != int(sums_replicas(model.modules(), grid))),
         "logits": rel(logits[..., :V], ref_logits),
         "loss": rel(loss.detach(), ref_loss.detach()),
         "padded_logits_masked": float(not (logits[..., V:] == torch.finfo(F64).min).all()),

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import harness
-from checks import GRIDS_8, assert_close, compare_module, local, on_grids, rel, seed_for
+from checks import GRIDS_8, assert_close, compare_module, local, nodes_named, on_grids, rel, seed_for, sums_replicas
 from lightning_3d import (
     CrossEntropyLoss3D,
     LayerNorm3D,
@@ -14,6 +14,7 @@ from lightning_3d import (
     RMSNorm3D,
     VocabParallelEmbedding3D,
 )
+from lightning_3d.ops.replicated import ReplicatedGradsAtOnce
 from lightning_3d.sharding import get_spec, shard_tensor
 
 # Distinct sizes everywhere: batch 4, sequence 3, features 8 (in) and 12 (out), vocab 20.
@@ -76,6 +77,42 @@ def stack_job(grid):
     return compare_module(mod, dense, torch.randn(B, S, N, dtype=F64), "z", "z", grid, 9)
 
 
+class _AtOnce(_Stack):
+    """:class:`_Stack` inside one :class:`ReplicatedGradsAtOnce` that also lists a norm the forward
+    never uses (held outside the module tree, which the comparison walks); records how many
+    replica-sum nodes its output's graph holds."""
+
+    def __init__(self, ln, fc1, fc2, unused):
+        super().__init__(ln, fc1, fc2)
+        self.unused, self.sums = (unused,), None
+
+    def forward(self, x):
+        layers = (self.ln, self.fc1, self.fc2, *self.unused)
+        with ReplicatedGradsAtOnce(self.ln.grid, [use for m in layers for use in m.replicated_parameters()]):
+            y = super().forward(x)
+        self.sums = nodes_named(y, "_SumGradsOverReplicasBackward")
+        return y
+
+
+def at_once_job(grid):
+    """Norm and both Linear3D directions summed in one node: the stack's gradients, none for the unused norm."""
+    torch.manual_seed(7)
+    dense = _Stack(nn.LayerNorm(N), nn.Linear(N, K), nn.Linear(K, N)).to(F64)
+    with torch.no_grad():
+        dense.ln.weight.normal_()
+        dense.ln.bias.normal_()
+    unused = LayerNorm3D(N, grid=grid, dtype=F64)
+    mod = _AtOnce(LayerNorm3D(N, grid=grid, dtype=F64), Linear3D(N, K, grid=grid, dtype=F64),
+                  Linear3D(K, N, input_layout="y", grid=grid, dtype=F64), unused)
+    for name in ("ln", "fc1", "fc2"):
+        getattr(mod, name).load_dense_state_dict(getattr(dense, name).state_dict())
+    torch.manual_seed(seed_for(grid, 8))
+    errs = compare_module(mod, dense, torch.randn(B, S, N, dtype=F64), "z", "z", grid, 9)
+    errs["unused_gets_no_grad"] = float(unused.weight.grad is not None or unused.bias.grad is not None)
+    errs["one_sum_node"] = float(mod.sums != int(sums_replicas(mod.modules(), grid)))
+    return errs
+
+
 def embedding_job(grid):
     mod, dense = _pair(lambda g: VocabParallelEmbedding3D(V, N, grid=g, dtype=F64), lambda: nn.Embedding(V, N), grid, 10)
     torch.manual_seed(seed_for(grid, 11))
@@ -117,6 +154,10 @@ def test_norms(kind, layout):
 
 def test_stacked_layers_compose():
     assert_close(harness.run(8, on_grids, GRIDS_8, stack_job))
+
+
+def test_replicated_grads_summed_at_once():
+    assert_close(harness.run(8, on_grids, GRIDS_8, at_once_job))
 
 
 def test_vocab_parallel_embedding():

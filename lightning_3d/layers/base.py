@@ -112,6 +112,11 @@ class Module3D(nn.Module):
                 set_spec(self._parameters[name], spec)
         return result
 
+    def replicated_parameters(self) -> list[tuple[nn.Parameter, str]]:
+        """The parameters this layer's forward passes to :func:`~lightning_3d.ops.use_replicated`,
+        each with the ``grad_summed_over`` it passes (none by default)."""
+        return []
+
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the keys of the equivalent ``torch.nn`` module (collective over the cube)."""
         return dense_state_dict(self, self.grid)

@@ -80,6 +80,10 @@ class FusedLinear3D(Module3D):
         # outermost (a view when px = 1, one copy otherwise).
         return y.unflatten(-1, (px, self.groups, -1)).transpose(-3, -2).flatten(-3)
 
+    def replicated_parameters(self) -> list[tuple[nn.Parameter, str]]:
+        """The bias, whose gradient the product's reduce-scatter over the feature axis already sums."""
+        return [(self.bias, self.input_layout.feature_axis)] if self.bias is not None else []
+
     def extra_repr(self) -> str:
         return self._describe(in_features=self.in_features, out_features=self.out_features, groups=self.groups,
                               layout=f"{self.input_layout}→{self.output_layout}")

@@ -74,6 +74,10 @@ class Linear3D(Module3D):
         bias = use_replicated(self.bias, self.grid, grad_summed_over=directions[2]) if self.bias is not None else None
         return matmul_abt(x, self.weight, directions, self.grid, self.options, bias)
 
+    def replicated_parameters(self) -> list[tuple[nn.Parameter, str]]:
+        """The bias, whose gradient the product's reduce-scatter over the feature axis already sums."""
+        return [(self.bias, self.input_layout.feature_axis)] if self.bias is not None else []
+
     def extra_repr(self) -> str:
         layouts = f"{self.input_layout}→{self.output_layout}"
         return self._describe(in_features=self.in_features, out_features=self.out_features, layout=layouts)

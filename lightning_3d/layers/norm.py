@@ -58,6 +58,9 @@ class _Norm3D(Module3D):
             y = y + bias
         return y
 
+    def replicated_parameters(self) -> list[tuple[nn.Parameter, str]]:
+        return [(p, "") for p in (self.weight, self.bias) if p is not None]
+
     def extra_repr(self) -> str:
         return self._describe(normalized_shape=self.normalized_shape, eps=self.eps, layout=self.layout)
 

@@ -34,5 +34,8 @@ class PositionEmbedding3D(Module3D):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return F.embedding(positions, use_replicated(self.weight, self.grid))
 
+    def replicated_parameters(self) -> list[tuple[nn.Parameter, str]]:
+        return [(self.weight, "")]
+
     def extra_repr(self) -> str:
         return self._describe(num_positions=self.num_positions, embedding_dim=self.embedding_dim, layout="positions→z")
