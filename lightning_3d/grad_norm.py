@@ -46,6 +46,16 @@ def _unique_with_grad(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _local_norm(grads: list[torch.Tensor], norm_type: float, dtype: torch.dtype) -> torch.Tensor:
+    """The ``norm_type``-norm of ``grads`` together, in ``dtype``: float32 and float64 gradients
+    through one multi-tensor kernel per device and dtype; lower precision ones one by one,
+    accumulated in ``dtype`` (a bf16 norm per tensor would round each to 8 bits)."""
+    exact = [g for g in grads if g.dtype in (torch.float32, torch.float64)]
+    norms = [torch.nn.utils.get_total_norm(exact, norm_type).to(dtype)] if exact else []
+    norms += [torch.linalg.vector_norm(g, norm_type, dtype=dtype) for g in grads if g.dtype not in (torch.float32, torch.float64)]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+
+
 def grad_norm(
     params: Iterable[torch.Tensor],
     grid: Grid,
@@ -74,12 +84,11 @@ def grad_norm(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=dtype) for g in counted]) if counted else torch.zeros(1, dtype=dtype, device=device)
-    norms = norms.to(device)
+    local = _local_norm(counted, norm_type, dtype).to(device) if counted else torch.zeros((), dtype=dtype, device=device)
     if math.isinf(norm_type):
-        total, _ = comm.all_reduce(norms.max(), group, op=dist.ReduceOp.MAX)
+        total, _ = comm.all_reduce(local, group, op=dist.ReduceOp.MAX)
         return total
-    total, _ = comm.all_reduce(norms.pow(norm_type).sum(), group)
+    total, _ = comm.all_reduce(local.pow(norm_type), group)
     return total.pow(1.0 / norm_type)
 
 
@@ -102,7 +111,5 @@ def clip_grad_norm_(
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
                            "set error_if_nonfinite=False to clip anyway")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)  # scaled by one foreach kernel per device and dtype
     return total

@@ -43,6 +43,10 @@ def norm_job(shape, dp):
     for p in (1.0, 2.0, 3.0, math.inf):
         ref = torch.linalg.vector_norm(torch.cat([g.flatten() for g in full]), p)
         out[f"norm{p}"] = float(grad_norm(params, grid, p)) / float(ref)
+    low = nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))  # a bf16 gradient: its norm accumulates in float32
+    low.grad = (torch.arange(5.0) * 0.37 + 1.1).to(torch.bfloat16)
+    ref = torch.linalg.vector_norm(torch.cat([g.flatten().double() for g in full + [low.grad]]), 2.0)
+    out["norm_with_bf16"] = float(grad_norm(params + [low], grid)) / float(ref)
     owner = partition(params, grid.data_parallel_size)  # ZeRO: each dp rank passes its share, summed over the world
     mine = [p for p in params if owner[id(p)] == grid.coord("dp")]
     out["partitioned"] = float(grad_norm(mine, grid, 2.0, group=dist.group.WORLD)) / float(torch.cat([g.flatten() for g in full]).norm())
