@@ -10,7 +10,6 @@ export, gradient-norm counting and DeepSpeed's tags are all derived from it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -34,13 +33,13 @@ class ShardSpec:
         if len(used) != len(set(used)) or any(a not in CUBE_AXES for a in used):
             raise ValueError(f"each of {CUBE_AXES} may cut at most one dim, got {self.dims}")
 
-    @cached_property
+    @property
     def sharded_axes(self) -> str:
         """Cube axes that cut the tensor, in x, y, z order (e.g. ``"xyz"``, ``"y"``)."""
         used = {a for axes in self.dims for a in axes}
         return "".join(a for a in CUBE_AXES if a in used)
 
-    @cached_property
+    @property
     def replicated_axes(self) -> str:
         """Cube axes that hold copies of the same shard (``""`` when none)."""
         return "".join(a for a in CUBE_AXES if a not in self.sharded_axes)
