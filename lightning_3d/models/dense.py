@@ -64,9 +64,12 @@ class DenseAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         r = self.queries_per_kv
         slots = self.c_attn(x).unflatten(-1, (r + 2, -1))  # [b, s, r + 2, kv_heads·d]: r query slots, k, v
+        # split, not indexing: backward writes dq, dk, dv into one gradient (a cat) instead of
+        # adding three zero-padded copies of it
+        q, k, v = slots.split([r, 1, 1], -2)
         # query head (t, g) of slot g, key/value head t → order t·r + g, the order causal_attention pairs
-        q = slots[..., :r, :].unflatten(-1, (-1, self.head_dim)).transpose(-3, -2).flatten(-3)
-        k, v = slots[..., r, :], slots[..., r + 1, :]
+        q = q.unflatten(-1, (-1, self.head_dim)).transpose(-3, -2).flatten(-3)
+        k, v = k.squeeze(-2), v.squeeze(-2)
         return self.resid_dropout(self.c_proj(causal_attention(q, k, v, self.head_dim, rope)))
 
 
