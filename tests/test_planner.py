@@ -212,3 +212,17 @@ def test_whole_job_predictions_on_the_measured_jobs():
     assert len(points) == 16 and not skipped and sum(p["links"] == "p2p-off" for p in points) == 8
     assert max(abs(p["step_err"]) for p in points) < 0.15 and max(abs(p["mem_err"]) for p in points) < 0.15
     assert all(c["loss"] == 0.0 for c in check_job_planner.choices(points))  # the measured fastest grid, both link types
+
+
+def test_whole_job_predictions_with_p2p_off_on_four_gpus():
+    """The 4-GPU runs with P2P off, each priced with the links measured on its host: every step
+    time and peak within 15%, and the model's pick among the measured grids the fastest."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import check_job_planner
+
+    run = os.path.join(ROOT, "benchmarks", "results", "2026-11-26-h200x4-replica-sum", "run-P")
+    points, skipped = check_job_planner.rows(sorted(glob.glob(os.path.join(run, "job_w4_*_p2p-off.json"))))
+    assert len(points) == 7 and not skipped and all(p["links"] == "p2p-off" for p in points)
+    assert max(abs(p["step_err"]) for p in points) < 0.15 and max(abs(p["mem_err"]) for p in points) < 0.15
+    assert all(c["loss"] == 0.0 for c in check_job_planner.choices(points))
+
