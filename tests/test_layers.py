@@ -63,16 +63,23 @@ class _Stack(nn.Module):
         return self.fc2(F.gelu(self.fc1(self.ln(x))))
 
 
-def stack_job(grid):
+def _stack_pair(grid, make=_Stack, *extra):
+    """A dense :class:`_Stack` with random norm affine parameters, and ``make(ln, fc1, fc2, *extra)``
+    of 3-D layers holding its weights."""
     torch.manual_seed(7)
     dense = _Stack(nn.LayerNorm(N), nn.Linear(N, K), nn.Linear(K, N)).to(F64)
     with torch.no_grad():
         dense.ln.weight.normal_()
         dense.ln.bias.normal_()
-    mod = _Stack(LayerNorm3D(N, grid=grid, dtype=F64), Linear3D(N, K, grid=grid, dtype=F64),
-                 Linear3D(K, N, input_layout="y", grid=grid, dtype=F64))
+    mod = make(LayerNorm3D(N, grid=grid, dtype=F64), Linear3D(N, K, grid=grid, dtype=F64),
+               Linear3D(K, N, input_layout="y", grid=grid, dtype=F64), *extra)
     for name in ("ln", "fc1", "fc2"):
         getattr(mod, name).load_dense_state_dict(getattr(dense, name).state_dict())
+    return dense, mod
+
+
+def stack_job(grid):
+    dense, mod = _stack_pair(grid)
     torch.manual_seed(seed_for(grid, 8))
     return compare_module(mod, dense, torch.randn(B, S, N, dtype=F64), "z", "z", grid, 9)
 
@@ -96,16 +103,8 @@ class _AtOnce(_Stack):
 
 def at_once_job(grid):
     """Norm and both Linear3D directions summed in one node: the stack's gradients, none for the unused norm."""
-    torch.manual_seed(7)
-    dense = _Stack(nn.LayerNorm(N), nn.Linear(N, K), nn.Linear(K, N)).to(F64)
-    with torch.no_grad():
-        dense.ln.weight.normal_()
-        dense.ln.bias.normal_()
     unused = LayerNorm3D(N, grid=grid, dtype=F64)
-    mod = _AtOnce(LayerNorm3D(N, grid=grid, dtype=F64), Linear3D(N, K, grid=grid, dtype=F64),
-                  Linear3D(K, N, input_layout="y", grid=grid, dtype=F64), unused)
-    for name in ("ln", "fc1", "fc2"):
-        getattr(mod, name).load_dense_state_dict(getattr(dense, name).state_dict())
+    dense, mod = _stack_pair(grid, _AtOnce, unused)
     torch.manual_seed(seed_for(grid, 8))
     errs = compare_module(mod, dense, torch.randn(B, S, N, dtype=F64), "z", "z", grid, 9)
     errs["unused_gets_no_grad"] = float(unused.weight.grad is not None or unused.bias.grad is not None)
