@@ -10,6 +10,8 @@
 #   reduce         both models on 4 GPUs: the dp gradient reduction in float32 and in bf16 (bf16grad)
 #   largest        Llama shapes on 4 GPUs at 8 and 16 layers, with and without activation checkpointing
 #                  (ckpt); then `job_report.py --largest` extrapolates the most layers each case trains
+# ISOLATE=1 runs every case of a mode in a process of its own (train_job.py --append gathers them
+# into the mode's file): slower to start, but no case inherits another's state.
 # Each torchrun gets a time budget (BUDGET_S seconds, default 200: both models of one mode fit one 10-minute call): cases that would end later are
 # recorded as not run. Results: $OUT/job_w{N}_{model}_{links}.json and log_{mode}.txt.
 set -u
@@ -26,10 +28,21 @@ COMPILE1="3d 1x1x1 compile;ddp compile;3d 1x1x1;ddp"
 LARGEST="3d 1x4x1 async compile;fsdp2 compile;3d 4x1x1 compile;3d 2x2x1 compile;tp-sp compile async;fsdp2-tp 2x2 compile;ddp"
 LARGEST="$LARGEST;3d 1x4x1 async compile ckpt;fsdp2 compile ckpt;3d 4x1x1 compile ckpt;tp-sp compile async ckpt;fsdp2-tp 2x2 compile ckpt"
 REDUCE="3d 1x1x1 dp4;3d 1x1x1 dp4 bf16grad;ddp;ddp bf16grad;fsdp2;fsdp2 bf16grad;3d 1x2x1 dp2 async;3d 1x2x1 dp2 async bf16grad"
-job() {
+run_one() {
   local n=$1; shift
   timeout $((BUDGET_S + 90)) python3 -m torch.distributed.run --standalone --nproc_per_node "$n" "$(dirname "$0")/train_job.py" \
     --out "$OUT" --budget-s "$BUDGET_S" "$@"
+}
+job() {  # job N ARGS...: one torchrun, or with ISOLATE=1 one per case of its --cases
+  local n=$1; shift
+  [ -z "${ISOLATE:-}" ] && { run_one "$n" "$@"; return; }
+  local args=() cases="" c
+  while [ $# -gt 0 ]; do
+    if [ "$1" = --cases ]; then cases=$2; shift 2; else args+=("$1"); shift; fi
+  done
+  [ -z "$cases" ] && { echo "ISOLATE=1 needs a mode with explicit --cases" >&2; return 2; }
+  IFS=';' read -ra list <<< "$cases"
+  for c in "${list[@]}"; do run_one "$n" "${args[@]}" --cases "$c" --append; done
 }
 for mode in "$@"; do
   case $mode in

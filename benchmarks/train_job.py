@@ -37,7 +37,11 @@ TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak
 max over ranks), the first step's time (compilation included) and the loss of the first three
 steps (mean over the global batch). On CUDA the first case runs once untimed before the timed cases,
 so that none starts cold. Results go to ``DIR/job_w{N}_{model}[_L{layers}]_{links}.json`` after every
-case, so a run stopped by its time budget keeps what it measured.
+case, so a run stopped by its time budget keeps what it measured. ``--append`` adds this process's
+cases to that file (the same job only: its ``meta`` stays, this process's date, command and matmul
+rate go to ``meta["appended"]``): one process per case, so that no case inherits another's
+communicators, compiled code or allocator state (cases of one process moved each other by up to 27%
+at GPT-2 1.4B on 4 GPUs).
 """
 
 from __future__ import annotations
@@ -375,6 +379,22 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
     return result
 
 
+SAME_JOB = ("world", "device", "torch", "links", "nccl_p2p_disable", "warmup", "steps", "model", "config", "batch", "seq")
+
+
+def earlier_job(path: str, meta: dict) -> tuple[dict, list[dict]]:
+    """The meta and cases of the job in ``path``, to which this process appends its cases; raises
+    ``ValueError`` naming the fields where this process's job differs from it (on every rank alike)."""
+    with open(path) as f:
+        earlier = json.load(f)
+    differ = [f"{k}: {earlier['meta'].get(k)!r} in the file, {meta[k]!r} here" for k in SAME_JOB if earlier["meta"].get(k) != meta[k]]
+    if differ:
+        raise ValueError(f"--append: {path} holds another job ({'; '.join(differ)}); "
+                         "give the same model, layers, batch, steps, links and GPUs, or another --out")
+    this = {k: meta[k] for k in ("date", "commit", "argv", "matmul_tflops")}
+    return dict(earlier["meta"], appended=earlier["meta"].get("appended", []) + [this]), earlier["cases"]
+
+
 def compiled_summary() -> dict:
     """What ``torch.compile`` did in this case (this rank): frames traced (a recompilation traces
     one more), distinct graphs, graph breaks and the first few reasons."""
@@ -405,6 +425,8 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="';'-separated cases also profiled for 2 steps after timing (CUDA)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no case that would end after this many seconds")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--append", action="store_true",
+                        help="add the cases to the file an earlier process of the same job wrote (one process per case: run_job.sh with ISOLATE=1)")
     args = parser.parse_args()
     cpu = args.cpu
     dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(seconds=600))
@@ -455,6 +477,8 @@ def main() -> None:
     path = os.path.join(args.out, f"job_w{run.world}_{name}{size}_{args.links}.json")
     os.makedirs(args.out, exist_ok=True)
     cases: list[dict] = []
+    if args.append and os.path.exists(path):
+        meta, cases = earlier_job(path, meta)
     done: dict[str, dict] = {}
     cost = {False: 20.0 if not cpu else 1.0, True: 45.0 if not cpu else 1.0}  # seconds a case takes: a guess, then the most measured
     measured: set[bool] = set()

@@ -38,11 +38,15 @@ def test_bench_gpt_smoke_on_cpu(tmp_path):
     assert "| 3d 2x1x1 |" in proc.stdout and "Strong scaling" in proc.stdout
 
 
-def _train_job(tmp_path, world: int, model: str, cases: str) -> dict:
+def _launch(tmp_path, world: int, model: str, cases: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-           os.path.join(ROOT, "benchmarks", "train_job.py"), "--cpu", "--model", model, "--cases", cases, "--out", str(tmp_path)]
+           os.path.join(ROOT, "benchmarks", "train_job.py"), "--cpu", "--model", model, "--cases", cases, "--out", str(tmp_path), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _train_job(tmp_path, world: int, model: str, cases: str, *extra: str) -> dict:
+    proc = _launch(tmp_path, world, model, cases, *extra)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(tmp_path / f"job_w{world}_{model}_nvlink.json") as f:
         return json.load(f)
@@ -82,6 +86,19 @@ def test_train_job_2d_peer_and_llama_on_cpu(tmp_path):
     """On 4 ranks the Llama-style model: FSDP2 × TP+SP and 3-D grids with dp agree with plain TP+SP."""
     labels = ["tp-sp", "fsdp2-tp 2x2", "3d 2x2x1 async", "3d 1x2x1 dp2"]
     _check_same_job(_train_job(tmp_path, 4, "tiny-llama", ";".join(labels)), labels)
+
+
+def test_train_job_appends_one_process_per_case(tmp_path):
+    """``--append``: cases of separate processes gather into one file of one job; another job's
+    file is refused with the fields that differ."""
+    _train_job(tmp_path, 2, "tiny-gpt2", "3d 2x1x1")
+    data = _train_job(tmp_path, 2, "tiny-gpt2", "ddp", "--append")
+    _check_same_job(data, ["3d 2x1x1", "ddp"])
+    assert len(data["meta"]["appended"]) == 1 and "ddp" in data["meta"]["appended"][0]["argv"]
+    refused = _launch(tmp_path, 2, "tiny-gpt2", "fsdp2", "--append", "--steps", "3")
+    assert refused.returncode != 0 and "--append:" in refused.stderr and "steps: 2 in the file, 3 here" in refused.stderr
+    with open(tmp_path / "job_w2_tiny-gpt2_nvlink.json") as f:
+        assert [c["case"] for c in json.load(f)["cases"]] == ["3d 2x1x1", "ddp"]  # the file is left as it was
 
 
 def test_train_job_cases_parse_and_refuse_bad_input():
