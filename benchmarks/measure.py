@@ -140,15 +140,55 @@ def kernel_timeline(trace_path: str) -> dict:
             "top_kernels_ms": [[name, round(ms, 3)] for name, ms in top]}
 
 
+def nccl_kernels(trace_path: str) -> dict[str, list[tuple[float, float]]]:
+    """The NCCL kernels of a chrome trace by name, each list in start order, as ``(start, end)`` in
+    µs of wall-clock time (``baseTimeNanoseconds`` + ``ts``: comparable across the processes of a host)."""
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        trace = json.load(f)
+    base = trace.get("baseTimeNanoseconds", 0) / 1e3
+    out: dict[str, list[tuple[float, float]]] = {}
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "kernel" and "dur" in e and "nccl" in e.get("name", "").lower():
+            out.setdefault(e["name"], []).append((base + e["ts"], base + e["ts"] + e["dur"]))
+    return {name: sorted(spans) for name, spans in out.items()}
+
+
+def peer_waits(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict:
+    """How long each rank's collectives waited for the last rank to arrive, and how long they ran after.
+
+    ``per_rank``: every rank's :func:`nccl_kernels`. The k-th kernel of a name on every rank is
+    taken to be one collective, which holds where every collective spans all ranks (data
+    parallelism, FSDP, a cube of one axis); a name whose count differs between ranks is left out.
+    Returns ``waited_ms`` and ``moving_ms`` per rank and the ``collectives`` matched.
+    """
+    ranks = len(per_rank)
+    waited, moving, matched = [0.0] * ranks, [0.0] * ranks, 0
+    for name in sorted(set().union(*per_rank)):
+        spans = [r.get(name, []) for r in per_rank]
+        if len({len(s) for s in spans}) != 1:
+            continue
+        for k in range(len(spans[0])):
+            last = max(s[k][0] for s in spans)
+            for r in range(ranks):
+                start, end = spans[r][k]
+                waited[r] += max(0.0, min(last, end) - start)
+                moving[r] += max(0.0, end - last)
+            matched += 1
+    return {"waited_ms": [round(w / 1e3, 3) for w in waited], "moving_ms": [round(m / 1e3, 3) for m in moving], "collectives": matched}
+
+
 def profile_steps(step, steps: int, trace_path: str) -> dict:
     """Run ``step()`` ``steps`` times under the torch profiler; write a gzipped chrome trace and
     return its :func:`kernel_timeline`."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     raw = trace_path[:-3] if trace_path.endswith(".gz") else trace_path
     prof.export_chrome_trace(raw)
     if raw != trace_path:

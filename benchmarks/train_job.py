@@ -31,7 +31,9 @@ the autocast dtype).
 Python's automatic garbage collection is off during the steps of every case, as torchtitan
 trains (it collects every ``gc_freq`` steps instead): collections inside steps made compiled cases
 1.3–2× slower and erratic at GPT-2 shapes. ``--profile`` adds, for the cases it names, the GPU timeline of two more steps on rank 0 (busy
-time, communication, communication not hidden by compute, the longest kernels). Reported per case: median step ms over the timed steps (CUDA events, max over ranks), tokens/s,
+time, communication, communication not hidden by compute, the longest kernels) and, from every
+rank's trace, how long each rank's NCCL kernels waited for the last rank to arrive
+(``peer_waits``: ranks drifting apart) against how long they moved data. Reported per case: median step ms over the timed steps (CUDA events, max over ranks), tokens/s,
 TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
 (``max_memory_allocated`` during the steps above what was allocated before the model was built,
 max over ranks), the first step's time (compilation included) and the loss of the first three
@@ -363,6 +365,9 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
         ids, targets = (t[job.rows] for t in data[0])
         trace = os.path.join("/tmp", f"train_job_trace_{os.getpid()}.json.gz")
         timeline = measure.profile_steps(lambda: job.step(ids, targets), 2, trace)
+        every_rank = [None] * run.world
+        dist.all_gather_object(every_rank, measure.nccl_kernels(trace))
+        timeline["peer_waits"] = measure.peer_waits(every_rank)
     gc.enable()
     peak = (torch.cuda.max_memory_allocated(run.device) - base) / 2**30 if cuda else 0.0
     loss_t = torch.stack(losses).to(run.device)
@@ -422,7 +427,7 @@ def main() -> None:
                         help="a tag for the links; p2p-off (NCCL_P2P_DISABLE=1) drops async cases: symmetric memory bypasses NCCL's setting")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--profile", default="", help="';'-separated cases also profiled for 2 steps after timing (CUDA)")
+    parser.add_argument("--profile", default="", help="';'-separated cases also profiled for 2 steps after timing (GPU kernels on CUDA)")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no case that would end after this many seconds")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--append", action="store_true",
@@ -442,7 +447,7 @@ def main() -> None:
     warmup, steps = args.warmup or (2 if cpu else 3), args.steps or (2 if cpu else 6)
     texts = DEFAULT_CASES[run.world] if args.cases == "defaults" else [t.strip() for t in args.cases.split(";") if t.strip()]
     methods = [Method.parse(t, run.world) for t in texts]
-    profiled = {t.strip() for t in args.profile.split(";") if t.strip()} if not cpu else set()
+    profiled = {t.strip() for t in args.profile.split(";") if t.strip()}
     if args.links == "p2p-off":
         methods = [m for m in methods if not m.async_tp]
 

@@ -70,8 +70,10 @@ def test_train_job_smoke_on_cpu(tmp_path):
     """The whole-job benchmark on 2 ranks: every 3-D grid (auto, async) and each eager peer train the same model alike."""
     labels = ["3d 2x1x1", "3d 1x2x1 async", "3d 1x1x2", "3d 1x1x1 dp2", "3d auto", "tp-sp", "tp", "fsdp2", "ddp",
               "3d 1x2x1 ckpt", "fsdp2 ckpt", "3d 1x1x1 dp2 bf16grad", "ddp bf16grad"]
-    data = _train_job(tmp_path, 2, "tiny-gpt2", ";".join(labels))
+    data = _train_job(tmp_path, 2, "tiny-gpt2", ";".join(labels), "--profile", "3d 2x1x1")
     _check_same_job(data, labels)
+    profile = data["cases"][0]["profile_rank0_2_steps"]  # on CPU no GPU kernels: the plumbing, with zero time
+    assert profile["kernels"] == 0 and profile["peer_waits"] == {"waited_ms": [0.0, 0.0], "moving_ms": [0.0, 0.0], "collectives": 0}
     assert data["cases"][4]["picks"].startswith("3d ")
     assert data["meta"]["tokens_per_step"] == 8 * 16 and data["meta"]["flops_per_step"] > 0
     assert all(link["busbw_GBps"] > 0 for link in data["meta"]["machine"]["intra"]["all_reduce"].values())  # measured links
@@ -126,3 +128,32 @@ def test_largest_model_extrapolates_peak_memory_per_layer(tmp_path):
     assert "| 3d 1x4x1 | 8: 10.00, 16: 14.00 | 0.50 | 135 |" in text, text
     assert "| fsdp2 | 8: 20.00, 16: 36.00 | 2.00 | 34 |" in text, text
     assert "| ddp | 8: failed, 16: failed | – | fewer than 8 |" in text, text
+
+
+def test_profile_timelines_from_traces(tmp_path):
+    """``kernel_timeline`` splits a trace's GPU time by kind and exposure; ``peer_waits`` aligns two
+    ranks' traces on the wall clock (different bases) and splits each collective into the wait for
+    the last rank and the time after it; a kernel name whose count differs between ranks is left out."""
+    import gzip
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import measure
+
+    def trace(path, base_ns, kernels):
+        events = [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur} for name, ts, dur in kernels]
+        with gzip.open(path, "wt") as f:
+            json.dump({"baseTimeNanoseconds": base_ns, "traceEvents": events}, f)
+        return str(path)
+
+    gather, reduce = "ncclDevKernel_AllGather_RING_LL", "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+    # rank 0's clock base is 1000 µs earlier: its ts are 1000 larger for the same instants
+    r0 = trace(tmp_path / "r0.json.gz", 0, [(gather, 1100, 50), ("nvjet_gemm", 1120, 60), (gather, 1300, 20), (reduce, 1400, 5)])
+    r1 = trace(tmp_path / "r1.json.gz", 1_000_000, [(gather, 130, 20), (gather, 290, 30)])
+    timeline = measure.kernel_timeline(r0)
+    assert timeline["by_kind_ms_count"]["communication"] == [0.075, 3] and timeline["by_kind_ms_count"]["matmul"] == [0.06, 1]
+    assert abs(timeline["exposed_comm_ms"] - 0.045) < 1e-9 and abs(timeline["busy_ms"] - 0.105) < 1e-9
+    waits = measure.peer_waits([measure.nccl_kernels(r0), measure.nccl_kernels(r1)])
+    # gather 1: rank 0 starts at 1100, rank 1 at 1130 → rank 0 waits 30 µs, both move 20 until 1150;
+    # gather 2: rank 1 starts at 1290, rank 0 at 1300 → rank 1 waits 10, both move 20 until 1320;
+    # the all-reduce (rank 0 only) is left out
+    assert waits == {"waited_ms": [0.03, 0.01], "moving_ms": [0.04, 0.04], "collectives": 2}
