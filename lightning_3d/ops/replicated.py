@@ -125,6 +125,6 @@ class ReplicatedGradsAtOnce:
         if not by_group:
             return None
         keys = sorted(by_group, key=str)  # the same order on every rank
-        params = [p for key in keys for p in by_group[key].values()]
-        views = _SumGradsOverReplicas.apply(tuple((self.grid.group(axes), len(by_group[axes, dtype])) for axes, dtype in keys), *params)
-        return {(id(p), axes): v for (axes, _), p, v in zip([k for k in keys for _ in by_group[k]], params, views)}
+        groups = tuple((self.grid.group(axes), len(by_group[axes, dtype])) for axes, dtype in keys)
+        views = iter(_SumGradsOverReplicas.apply(groups, *(p for key in keys for p in by_group[key].values())))
+        return {(id(p), axes): next(views) for axes, dtype in keys for p in by_group[axes, dtype].values()}
