@@ -30,11 +30,12 @@ the autocast dtype).
 
 Python's automatic garbage collection is off during the steps of every case, as torchtitan
 trains (it collects every ``gc_freq`` steps instead): collections inside steps made compiled cases
-1.3–2× slower and erratic at GPT-2 shapes. ``--profile`` adds, for the cases it names, the GPU timeline of two more steps on rank 0 (busy
-time, communication, communication not hidden by compute, the longest kernels) and, from every
-rank's trace, how long each rank's NCCL kernels waited for the last rank to arrive
-(``peer_waits``: ranks drifting apart) against how long they moved data. Reported per case: median step ms over the timed steps (CUDA events, max over ranks), tokens/s,
-TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
+1.3–2× slower and erratic at GPT-2 shapes. ``--profile`` adds, for the cases it names, the GPU
+timeline of two more steps on rank 0 (busy time, communication, communication not hidden by
+compute, the longest kernels) and, from every rank's trace, how long each rank's NCCL kernels
+waited for the last rank to arrive (``peer_waits``: ranks drifting apart) against how long they
+moved data. Reported per case: median step ms over the timed steps (CUDA events, max over ranks),
+tokens/s, TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
 (``max_memory_allocated`` during the steps above what was allocated before the model was built,
 max over ranks), the first step's time (compilation included) and the loss of the first three
 steps (mean over the global batch). On CUDA the first case runs once untimed before the timed cases,
