@@ -9,7 +9,7 @@ export, gradient-norm counting and DeepSpeed's tags are all derived from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,10 +21,17 @@ SPEC_ATTR = "shard_spec"
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Global shape and, per dim, the grid axes that cut it (outer to inner)."""
+    """Global shape and, per dim, the grid axes that cut it (outer to inner).
+
+    Derived on construction (every forward reads them, compiled code included): ``sharded_axes``,
+    the cube axes that cut the tensor in x, y, z order (``"xyz"``, ``"y"``), and
+    ``replicated_axes``, those that hold copies of the same shard (``""`` when none).
+    """
 
     global_shape: tuple[int, ...]
     dims: tuple[tuple[str, ...], ...]
+    sharded_axes: str = field(init=False, repr=False, compare=False)
+    replicated_axes: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if len(self.dims) != len(self.global_shape):
@@ -32,17 +39,8 @@ class ShardSpec:
         used = [a for axes in self.dims for a in axes]
         if len(used) != len(set(used)) or any(a not in CUBE_AXES for a in used):
             raise ValueError(f"each of {CUBE_AXES} may cut at most one dim, got {self.dims}")
-
-    @property
-    def sharded_axes(self) -> str:
-        """Cube axes that cut the tensor, in x, y, z order (e.g. ``"xyz"``, ``"y"``)."""
-        used = {a for axes in self.dims for a in axes}
-        return "".join(a for a in CUBE_AXES if a in used)
-
-    @property
-    def replicated_axes(self) -> str:
-        """Cube axes that hold copies of the same shard (``""`` when none)."""
-        return "".join(a for a in CUBE_AXES if a not in self.sharded_axes)
+        object.__setattr__(self, "sharded_axes", "".join(a for a in CUBE_AXES if a in used))
+        object.__setattr__(self, "replicated_axes", "".join(a for a in CUBE_AXES if a not in used))
 
     def check(self, grid: Grid, what: str = "tensor") -> None:
         """Raise ``ValueError`` naming the numbers when a dim does not split evenly on ``grid``."""
