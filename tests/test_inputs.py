@@ -14,6 +14,7 @@ import harness
 from lightning_3d import (CrossEntropyLoss3D, Linear3D, VocabParallelEmbedding3D, arguments, gather_activation, init_grid,
                           split_activation)
 from lightning_3d.models import GPT3D, GPTConfig
+from lightning_3d.ops import replicated, token_ids
 from lightning_3d.options import RuntimeOptions
 from lightning_3d.parallel import set_options
 from lightning_3d.strategy import grid_rules
@@ -54,9 +55,38 @@ def out_of_range_job():
     bad[2, 1] = 55  # inside the padded table of 64 rows, outside the vocabulary of 50
     msgs["gpt_id"] = _error(lambda: model(bad))
     msgs["gpt_target"] = _error(lambda: model(ids % 50, bad))
+    msgs["short_targets"] = _error(lambda: model(ids % 50, ids[:, :3] % 50))  # raised in before_forward
+    msgs["contexts_left"] = not token_ids._open and replicated._active_views is None
+    msgs["reads_after_products"] = _flag_reads_after_products(lambda: model(ids % 50, ids % 50))
     set_options(model, check_inputs=False)  # the check skipped: the same bad ids pass, every rank alike
     msgs["unchecked_loss"] = float(model(bad, ids % 50))
     return msgs
+
+
+def _flag_reads_after_products(forward) -> bool:
+    """True when every host read of a tensor in ``forward`` (the token checks' flags) comes after its
+    last matrix product: the checks are read once, at the end, not where they start."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        forward()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    reads = [e.time_range.start for e in events if e.name == "aten::_local_scalar_dense"]
+    products = [e.time_range.start for e in events if e.name in ("aten::mm", "aten::addmm", "aten::bmm")]
+    return len(reads) == 2 and min(reads) > max(products)
+
+
+def test_deferred_checks_raise_at_exit_and_nest():
+    ids = torch.tensor([[1, 2], [3, 9]])
+    with pytest.raises(ValueError, match=r"outer: token id 9 at index \(1, 1\) of \[2, 2\] is outside \[0, 8\)"):
+        with token_ids.DeferredTokenChecks():
+            token_ids.check_token_range(ids, 8, "outer", "token id")
+            with pytest.raises(ValueError, match="inner: target -5"):
+                with token_ids.DeferredTokenChecks():
+                    token_ids.check_token_range(torch.tensor([-5, 1]), 8, "inner", "target", ignore_index=-100)
+                    token_ids.check_token_range(ids, 10, "inner", "token id")  # in range: no error
+            passed = True  # the outer check, started before, has not raised yet
+    assert passed and not token_ids._open
+    with pytest.raises(ValueError, match="now: token id 9"):  # outside any context: at once
+        token_ids.check_token_range(ids, 8, "now", "token id")
 
 
 def test_ids_and_targets_out_of_range_raise_on_every_rank():
@@ -67,8 +97,10 @@ def test_ids_and_targets_out_of_range_raise_on_every_rank():
         assert "target -3 at index (3, 4)" in m["target_negative"], m
         assert m["ignored_ok"]
         assert "token id 55 at index (2, 1) of [4, 5] is outside [0, 50)" in m["gpt_id"], m
-        assert "target 55 at index (11,) of [20] is outside [0, 50)" in m["gpt_target"], m  # GPT3D flattens [4, 5]
+        assert "GPT3D: target 55 at index (2, 1) of [4, 5] is outside [0, 50) or ignore_index -100" in m["gpt_target"], m
         assert math.isfinite(m["unchecked_loss"]), m
+        assert "targets [4, 3] must have the shape of idx [4, 5]" in m["short_targets"] and m["contexts_left"], m
+        assert m["reads_after_products"], m
 
 
 # ----- ranks that disagree -----

@@ -16,17 +16,19 @@ class CrossEntropyLoss3D(Module3D):
 
     Targets outside ``[0, vocab_size)`` other than ``ignore_index`` raise ``ValueError`` on every
     cube rank (``vocab_size`` defaults to the logits' full ``V``; pass the true size when ``V`` is
-    padded), unless ``RuntimeOptions.check_inputs`` is off. The first call also checks that every
-    cube rank was given the same targets.
+    padded), unless ``RuntimeOptions.check_inputs`` is off or ``check_targets`` is False (the model
+    checks them before its forward). The first call also checks that every cube rank was given the
+    same targets.
     """
 
     def __init__(self, ignore_index: int = -100, grid: Grid | None = None, vocab_size: int | None = None,
-                 options: RuntimeOptions | None = None):
+                 options: RuntimeOptions | None = None, check_targets: bool = True):
         super().__init__(grid, options)
         self.ignore_index = ignore_index
         self.vocab_size = vocab_size
+        self.check_targets = check_targets
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         agree_on_first_call(self, self.grid.group("cube"), "CrossEntropyLoss3D targets", targets=targets, logits=logits)
         return vocab_parallel_cross_entropy(logits, targets, self.ignore_index, self.grid, self.vocab_size,
-                                            self.options.check_inputs, self.options.compile)
+                                            self.check_targets and self.options.check_inputs, self.options.compile)

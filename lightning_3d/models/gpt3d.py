@@ -19,6 +19,7 @@ from torch import nn
 from ..agreement import agree_on_first_call
 from ..grid import Grid
 from ..layout import gather_activation
+from ..ops.token_ids import check_token_range
 from ..options import RuntimeOptions
 from ..parallel import Dropout, Linear, LMHead, Loss, Norm, Plan, PositionEmbedding, Rule, VocabEmbedding, parallelize, register_plan
 from ..parallel import dense_state_dict, grid_of, load_dense_state_dict, options_of
@@ -56,7 +57,7 @@ def gpt_plan(config: GPTConfig, options: RuntimeOptions | None = None) -> Plan:
         **block_rules(config),
         "transformer.ln_f": Norm("z"),
         "lm_head": LMHead(pad_to_multiple=config.vocab_multiple),
-        "loss": Loss(vocab_size=config.vocab_size),
+        "loss": Loss(vocab_size=config.vocab_size, check_targets=False),  # check_inputs checks them first
     }
     if config.style != "gpt2":
         del rules["transformer.wpe"]
@@ -68,6 +69,8 @@ def gpt_plan(config: GPTConfig, options: RuntimeOptions | None = None) -> Plan:
         check_tokens(idx, config, grid)
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"GPT3D: targets {list(targets.shape)} must have the shape of idx {list(idx.shape)}")
+        if targets is not None and options_of(model).check_inputs:
+            check_token_range(targets, config.vocab_size, "GPT3D", "target", model.loss.ignore_index)
 
     return Plan(
         rules,

@@ -1,7 +1,12 @@
-"""The model-level hooks a plan adds: its input and output hooks, weight prefetch while enabled, and
-one replica-gradient sum per forward (:class:`~lightning_3d.ops.replicated.ReplicatedGradsAtOnce`)."""
+"""The model-level hooks a plan adds: its input and output hooks, weight prefetch while enabled, one
+replica-gradient sum per forward (:class:`~lightning_3d.ops.replicated.ReplicatedGradsAtOnce`) and
+the token-range checks read once at the end of each forward
+(:class:`~lightning_3d.ops.token_ids.DeferredTokenChecks`)."""
 
 from __future__ import annotations
+
+import contextlib
+from typing import Callable
 
 from torch import nn
 
@@ -9,6 +14,7 @@ from ..grid import Grid
 from ..layers.base import Module3D
 from ..ops.matmul import WeightPrefetch
 from ..ops.replicated import ReplicatedGradsAtOnce
+from ..ops.token_ids import DeferredTokenChecks
 from ..options import RuntimeOptions
 from .plan import Plan
 
@@ -29,32 +35,40 @@ class _PrefetchWhenEnabled:
             self.prefetch.__exit__()
 
 
-class _ReplicatedGradsEachForward:
-    """Enters a fresh :class:`ReplicatedGradsAtOnce` over the model's current 3-D layers around each forward."""
+class _EachForward:
+    """Enters a fresh context, ``make(module)``, around each forward of the module (nested calls nest)."""
 
-    def __init__(self, grid: Grid):
-        self.grid, self.entered = grid, []
+    def __init__(self, make: Callable[[nn.Module], contextlib.AbstractContextManager]):
+        self.make, self.entered = make, []
 
     def enter(self, module: nn.Module, args) -> None:
-        uses = [use for m in module.modules() if isinstance(m, Module3D) for use in m.replicated_parameters()]
-        self.entered.append(ReplicatedGradsAtOnce(self.grid, uses).__enter__())
+        self.entered.append(self.make(module).__enter__())
 
     def leave(self, module, args, output) -> None:
-        self.entered.pop().__exit__()
+        self.entered.pop().__exit__(None, None, None)
+
+
+def _replicated_uses(module: nn.Module) -> list:
+    """Every replicated parameter use the module's current 3-D layers declare."""
+    return [use for m in module.modules() if isinstance(m, Module3D) for use in m.replicated_parameters()]
 
 
 def attach_model_hooks(model: nn.Module, plan: Plan, grid: Grid, options: RuntimeOptions) -> None:
-    """Register the plan's ``before_forward`` / ``after_forward``, the prefetch switch and the
-    replica-gradient sum on ``model``."""
+    """Register the plan's ``before_forward`` / ``after_forward``, the prefetch switch, the
+    replica-gradient sum and the deferred token checks on ``model``. The contexts are entered before
+    ``before_forward`` runs, so that its token checks defer too and an error it raises leaves each
+    as entered (PyTorch runs ``always_call`` hooks then); the token checks are read last."""
+    tokens = _EachForward(lambda m: DeferredTokenChecks())
+    prefetch = _PrefetchWhenEnabled(options)
+    replicated = _EachForward(lambda m: ReplicatedGradsAtOnce(grid, _replicated_uses(m)))
+    for entered in (tokens, prefetch, replicated):
+        model.register_forward_pre_hook(entered.enter)
     if plan.before_forward is not None:
         before = plan.before_forward
         model.register_forward_pre_hook(lambda m, args, kwargs: before(m, grid, args, kwargs), with_kwargs=True)
-    prefetch = _PrefetchWhenEnabled(options)
-    model.register_forward_pre_hook(prefetch.enter)
     model.register_forward_hook(prefetch.leave, always_call=True)
-    replicated = _ReplicatedGradsEachForward(grid)
-    model.register_forward_pre_hook(replicated.enter)
     model.register_forward_hook(replicated.leave, always_call=True)
     if plan.after_forward is not None:
         after = plan.after_forward
         model.register_forward_hook(lambda m, args, kwargs, out: after(m, grid, args, kwargs, out), with_kwargs=True)
+    model.register_forward_hook(tokens.leave, always_call=True)

@@ -194,9 +194,12 @@ class Loss(Rule):
     """``nn.CrossEntropyLoss`` (mean, ``ignore_index`` kept) → vocabulary-parallel cross-entropy of
     y-layout logits ``[b/(px·pz), ..., V'/py]`` against full targets ``[b, ...]``; the model may
     flatten both first (``logits.flatten(0, -2)``, ``targets.flatten()``). Every cube rank gets the same scalar.
-    ``vocab_size``: the true vocabulary when the logits are padded; targets outside it raise."""
+    ``vocab_size``: the true vocabulary when the logits are padded; targets outside it raise.
+    ``check_targets=False`` where the model's ``before_forward`` checks the targets itself, at the
+    start of the forward, where the check costs the GPU no wait (GPT3D's plan does)."""
 
     vocab_size: int | None = None
+    check_targets: bool = True
 
     def build(self, name, module, grid, options):
         if not isinstance(module, nn.CrossEntropyLoss):
@@ -204,7 +207,8 @@ class Loss(Rule):
         if module.weight is not None or module.label_smoothing or module.reduction != "mean":
             _refuse(name, module, "class weights, label smoothing and reductions other than 'mean' are not supported",
                     "use nn.CrossEntropyLoss(ignore_index=...) with the defaults")
-        return CrossEntropyLoss3D(ignore_index=module.ignore_index, grid=grid, vocab_size=self.vocab_size, options=options)
+        return CrossEntropyLoss3D(ignore_index=module.ignore_index, grid=grid, vocab_size=self.vocab_size, options=options,
+                                  check_targets=self.check_targets)
 
 
 @dataclass(frozen=True)
