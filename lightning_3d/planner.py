@@ -91,6 +91,9 @@ class Machine:
         ddp_bytes: bytes per parameter shard DDP holds with dp > 1 (its fp32 buckets beside the gradients).
         host_layer_ms: host time per layer and step (eager, ``async_tp``, compiled): a step is
             never shorter than the host takes to issue it.
+        collective_host_us: host time added per collective of a layer over the cube (8 per layer and
+            split axis): its launch, and the wait at it for the ranks, which drift apart while
+            the host sets the pace (the slowest rank's host decides each collective).
     """
 
     matmul_tflops: float
@@ -115,8 +118,9 @@ class Machine:
     logit_memory_bytes: float = 12.0
     dp_busbw_GBps: float = 120.0
     dp_overlap: float = 0.5
-    host_layer_ms: tuple[float, float, float] = (6.0, 9.0, 11.0)
+    host_layer_ms: tuple[float, float, float] = (6.0, 9.0, 6.0)
     ddp_bytes: float = 6.0
+    collective_host_us: float = 150.0
 
     def link(self, op: str, size: int, spans_nodes: bool) -> Link:
         """The Link of ``op`` in a group of ``size`` ranks (the nearest measured size inside a node)."""
@@ -466,7 +470,8 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     bwd = ((blocks.bwd_ms - blocks.detail["dp_sync_ms"]) * 1e-3 + embedding_bwd + 2 * t_head + head_bwd + final_norm / 2
            + loss / 2 + dp_exposed + optimizer)
     pipelined = async_tp and py * pz > 1  # collective matmuls need an activation axis
-    host = shape.layers * m.host_layer_ms[2 if compiled else 1 if pipelined else 0] * 1e-3
+    collectives = 8 * sum(p > 1 for p in grid)  # per layer: 4 products, each a gather and a scatter per split axis
+    host = shape.layers * (m.host_layer_ms[2 if compiled else 1 if pipelined else 0] + collectives * m.collective_host_us * 1e-3) * 1e-3
     bwd += max(0.0, host - fwd - bwd)  # the GPU waits for the host
     static = params * (3 * FP32 + (m.ddp_bytes if dp > 1 else 0)) + shape.layers * shape.block_weights / cube * BYTES
     memory = static / 2**30 + blocks.detail["activations_GiB"] + logits * m.logit_memory_bytes / 2**30

@@ -187,9 +187,9 @@ def test_auto_resolves_with_a_given_machine():
 
 def test_whole_job_predictions_on_the_measured_jobs():
     """Every 3d case of the whole-job runs the calibration was fitted on: H100s with NVLink that
-    recorded no links (priced with DEFAULT_MACHINE at each file's matmul rate), and the 2-GPU runs
-    with their host's measured links, NVLink and P2P off; docs/benchmarks.md names the points off
-    by more than 15%."""
+    recorded no links (priced with DEFAULT_MACHINE at each file's matmul rate; their compiled cases
+    ran the compiled block before it was fixed, and are not priced), and the 2-GPU runs with their
+    host's measured links, NVLink and P2P off; docs/benchmarks.md names the points off by more than 15%."""
     import json
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -201,8 +201,9 @@ def test_whole_job_predictions_on_the_measured_jobs():
     files = sorted(f for d in calibration for f in glob.glob(os.path.join(results, d, "**", "job_*.json"), recursive=True))
     points, skipped = check_job_planner.rows(files)
     assert len(points) == 79 and len(skipped) == 7  # the P2P-off files: no measured links
-    assert sum(abs(p["step_err"]) <= 0.15 for p in points) >= 71  # the misses: GPT-2's erratic compiled and cold cases
-    assert max(abs(p["step_err"]) for p in points if p["model"].startswith("llama")) < 0.15
+    eager = [p for p in points if "compile" not in p["case"]]
+    assert len(eager) == 49 and sum(abs(p["step_err"]) <= 0.15 for p in eager) >= 43  # the misses: GPT-2's cube grids
+    assert max(abs(p["step_err"]) for p in eager if p["model"].startswith("llama")) < 0.15
     assert sum(abs(p["mem_err"]) <= 0.15 for p in points) >= 77
     measured = {}
     for links in ("nvlink", "p2p-off"):
@@ -212,6 +213,26 @@ def test_whole_job_predictions_on_the_measured_jobs():
     assert len(points) == 16 and not skipped and sum(p["links"] == "p2p-off" for p in points) == 8
     assert max(abs(p["step_err"]) for p in points) < 0.15 and max(abs(p["mem_err"]) for p in points) < 0.15
     assert all(c["loss"] == 0.0 for c in check_job_planner.choices(points))  # the measured fastest grid, both link types
+
+
+def test_whole_job_predictions_and_picks_on_the_latest_runs():
+    """The runs with the current compiled block and once-per-step replica sums (4× H200, 4× H100; 1, 2
+    and 4 GPUs), each priced with the machine it measured: the model's pick among the measured grids
+    within 3% of the measured fastest in every file, and the step times within 15% except the
+    points docs/benchmarks.md names (1-GPU compiled steps over-priced by 18–24%; GPT-2 steps on
+    4 GPUs, which moved by up to 30% between processes of the same code)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import check_job_planner
+
+    results = os.path.join(ROOT, "benchmarks", "results")
+    runs = ("2026-11-27-h200x4-deferred-checks/*", "2026-11-27-h100x4-deferred-checks/*", "2026-11-26-h200x4-replica-sum/run-O")
+    files = sorted(f for d in runs for f in glob.glob(os.path.join(results, d, "job_*.json")))
+    points, skipped = check_job_planner.rows(files)
+    assert len(points) == 43 and not skipped
+    assert sum(abs(p["step_err"]) <= 0.15 for p in points) >= 35
+    assert max(abs(p["step_err"]) for p in points if p["world"] > 1 and p["model"].startswith("llama")) < 0.15
+    choices = check_job_planner.choices(points)
+    assert len(choices) == 11 and all(c["loss"] <= 0.03 for c in choices), choices
 
 
 def test_whole_job_predictions_with_p2p_off_on_four_gpus():
