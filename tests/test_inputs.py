@@ -4,6 +4,7 @@ within seconds, instead of a wrong loss, a hang or an abort of some ranks."""
 
 import datetime
 import math
+import threading
 import time
 
 import pytest
@@ -56,7 +57,7 @@ def out_of_range_job():
     msgs["gpt_id"] = _error(lambda: model(bad))
     msgs["gpt_target"] = _error(lambda: model(ids % 50, bad))
     msgs["short_targets"] = _error(lambda: model(ids % 50, ids[:, :3] % 50))  # raised in before_forward
-    msgs["contexts_left"] = not token_ids._open and replicated._active_views is None
+    msgs["contexts_left"] = not token_ids._open() and replicated._active_views is None
     msgs["reads_after_products"] = _flag_reads_after_products(lambda: model(ids % 50, ids % 50))
     set_options(model, check_inputs=False)  # the check skipped: the same bad ids pass, every rank alike
     msgs["unchecked_loss"] = float(model(bad, ids % 50))
@@ -84,9 +85,15 @@ def test_deferred_checks_raise_at_exit_and_nest():
                     token_ids.check_token_range(torch.tensor([-5, 1]), 8, "inner", "target", ignore_index=-100)
                     token_ids.check_token_range(ids, 10, "inner", "token id")  # in range: no error
             passed = True  # the outer check, started before, has not raised yet
-    assert passed and not token_ids._open
+    assert passed and not token_ids._open()
     with pytest.raises(ValueError, match="now: token id 9"):  # outside any context: at once
         token_ids.check_token_range(ids, 8, "now", "token id")
+    errors = []
+    with token_ids.DeferredTokenChecks():  # contexts are per thread: another thread's check raises there, at once
+        other = threading.Thread(target=lambda: errors.append(_error(lambda: token_ids.check_token_range(ids, 8, "thread", "token id"))))
+        other.start()
+        other.join()
+    assert "thread: token id 9" in errors[0]
 
 
 def test_ids_and_targets_out_of_range_raise_on_every_rank():

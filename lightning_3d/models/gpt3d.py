@@ -69,7 +69,7 @@ def gpt_plan(config: GPTConfig, options: RuntimeOptions | None = None) -> Plan:
         check_tokens(idx, config, grid)
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"GPT3D: targets {list(targets.shape)} must have the shape of idx {list(idx.shape)}")
-        if targets is not None and options_of(model).check_inputs:
+        if targets is not None and model.loss.options.check_inputs:  # the options every layer shares
             check_token_range(targets, config.vocab_size, "GPT3D", "target", model.loss.ignore_index)
 
     return Plan(

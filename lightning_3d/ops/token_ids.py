@@ -17,9 +17,17 @@ any id without failing (the embedding and the loss mask ids outside their vocabu
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-_open: list[DeferredTokenChecks] = []  # the contexts entered and not yet left, innermost last
+_local = threading.local()  # .open: this thread's contexts entered and not yet left, innermost last
+
+
+def _open() -> list[DeferredTokenChecks]:
+    if not hasattr(_local, "open"):
+        _local.open = []
+    return _local.open
 
 
 class _Check:
@@ -60,8 +68,9 @@ def check_token_range(ids: torch.Tensor, size: int, who: str, what: str, ignore_
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{who}: {what}s must be integer token ids, got {ids.dtype}")
     check = _Check(ids, size, who, what, ignore_index)
-    if _open and not torch.compiler.is_compiling():
-        _open[-1].checks.append(check)
+    contexts = _open()
+    if contexts and not torch.compiler.is_compiling():
+        contexts[-1].checks.append(check)
         check.defer()
     else:
         check.raise_if_bad()
@@ -71,14 +80,14 @@ class DeferredTokenChecks:
     """A context in which :func:`check_token_range` only starts its checks; its exit reads them in
     the order started and raises the first failure (also when the context is left by an error,
     as a forward hook with ``always_call`` is: PyTorch then reports it as a warning beside that error).
-    Contexts nest; each reads its own checks."""
+    Contexts nest, per thread; each reads its own checks."""
 
     def __enter__(self) -> DeferredTokenChecks:
         self.checks: list[_Check] = []
-        _open.append(self)
+        _open().append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _open.remove(self)
+        _open().remove(self)
         for check in self.checks:
             check.raise_if_bad()
