@@ -5,6 +5,11 @@ step time, tokens/s, MFU, peak memory and first losses, and its speed against th
 and the fastest 3-D case of the same file. Compare only rows of one file: they ran in the same
 call on the same machine.
 
+``--repeats FILES`` (the same job in several processes, e.g. ``run_job.sh repeat``): each case's
+median step over every time it ran, with its range, and the best 3-D case's median against the
+best peer's: steps of one case moved by up to 30% between processes at GPT-2 1.4B on 4 GPUs, so
+one process's ratio is not a result.
+
 ``--largest FILES`` (runs of one model at two or more ``--layers``): for each case, the peak
 memory as a line in the layer count (parameters, gradients, optimizer state and activations grow
 by a fixed amount a layer) and the most layers whose predicted peak fits in ``USABLE`` of the
@@ -14,6 +19,7 @@ GPU's memory (the rest is the CUDA context, NCCL's buffers and the allocator's s
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 
@@ -42,6 +48,25 @@ def table(path: str) -> str:
         bold = "**" if c is best_peer or c is best_3d else ""
         losses = " ".join(f"{v:.4f}" for v in c["losses"])
         lines.append(f"| {bold}{name}{bold} | {c['step_ms']:.1f} | {c['tokens_per_s']:,.0f} | {c['mfu']:.1%} | {c['peak_GiB']:.2f} | {losses} | {ratio} |")
+    return "\n".join(lines)
+
+
+def repeats(paths: list[str]) -> str:
+    """Per case, the median, least and most of its step times over ``paths``; the medians' best ratio."""
+    steps: dict[str, list[float]] = {}
+    for path in paths:
+        with open(path) as f:
+            for c in json.load(f)["cases"]:
+                if "step_ms" in c:
+                    steps.setdefault(c["case"], []).append(c["step_ms"])
+    median = {case: statistics.median(ms) for case, ms in steps.items()}
+    lines = ["| case | runs | median step ms | least | most |", "|---|---|---|---|---|"]
+    lines += [f"| {case} | {len(ms)} | {median[case]:.1f} | {min(ms):.1f} | {max(ms):.1f} |" for case, ms in steps.items()]
+    ours = [case for case in steps if not _is_peer({"case": case})]
+    peers = [case for case in steps if _is_peer({"case": case})]
+    if ours and peers:
+        best, peer = min(ours, key=median.get), min(peers, key=median.get)
+        lines += ["", f"best 3-D {best} against best peer {peer}, medians: {median[peer] / median[best]:.2f}×"]
     return "\n".join(lines)
 
 
@@ -82,6 +107,9 @@ def largest(paths: list[str]) -> str:
 def main() -> None:
     if sys.argv[1:2] == ["--largest"]:
         print(largest(sys.argv[2:]))
+        return
+    if sys.argv[1:2] == ["--repeats"]:
+        print(repeats(sys.argv[2:]))
         return
     print("\n\n".join(table(p) for p in sys.argv[1:]))
 

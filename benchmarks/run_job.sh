@@ -8,6 +8,9 @@
 #   check          the token-range check on and off in turn (check_cost.py) on 4 GPUs
 #   check1         the same on 1 GPU (GPU 2: it can run beside compile-small)
 #   reduce         both models on 4 GPUs: the dp gradient reduction in float32 and in bf16 (bf16grad)
+#   repeat         the best 3-D cases and best peers of both models on 4 GPUs, each set in REPEAT processes
+#                  (default 3) in rotated order, gathered per model; then `job_report.py --repeats`
+#                  gives each case's median and range (steps moved by up to 30% between processes)
 #   largest        Llama shapes on 4 GPUs at 8 and 16 layers, with and without activation checkpointing
 #                  (ckpt); then `job_report.py --largest` extrapolates the most layers each case trains
 # ISOLATE=1 runs every case of a mode in a process of its own (train_job.py --append gathers them
@@ -27,6 +30,8 @@ COMPILE2="3d 2x1x1 compile;fsdp2 compile;3d 1x2x1 async compile;3d 1x1x1 dp2 com
 COMPILE1="3d 1x1x1 compile;ddp compile;3d 1x1x1;ddp"
 LARGEST="3d 1x4x1 async compile;fsdp2 compile;3d 4x1x1 compile;3d 2x2x1 compile;tp-sp compile async;fsdp2-tp 2x2 compile;ddp"
 LARGEST="$LARGEST;3d 1x4x1 async compile ckpt;fsdp2 compile ckpt;3d 4x1x1 compile ckpt;tp-sp compile async ckpt;fsdp2-tp 2x2 compile ckpt"
+REPEAT_llama="3d 4x1x1 compile;fsdp2 compile;3d 1x4x1 async compile"
+REPEAT_gpt2="3d 1x1x1 dp4;ddp;3d 1x1x1 dp4 compile;3d 4x1x1"
 REDUCE="3d 1x1x1 dp4;3d 1x1x1 dp4 bf16grad;ddp;ddp bf16grad;fsdp2;fsdp2 bf16grad;3d 1x2x1 dp2 async;3d 1x2x1 dp2 async bf16grad"
 run_one() {
   local n=$1; shift
@@ -72,9 +77,20 @@ for mode in "$@"; do
           --model "$m" --case "3d 1x1x1" --out "$OUT"
       done > "$OUT/log_check1.txt" 2>&1 ;;
     reduce) for m in $MODELS; do job 4 --model "$m" --steps 10 --cases "$REDUCE"; done 2>&1 | tee "$OUT/log_reduce.txt" ;;
+    repeat)
+      for m in $MODELS; do
+        [ "$m" = llama-7b ] && cases=$REPEAT_llama || cases=$REPEAT_gpt2
+        IFS=';' read -ra list <<< "$cases"
+        for ((r = 0; r < ${REPEAT:-3}; r++)); do  # process r starts at case r: each case runs first once
+          k=$((r % ${#list[@]}))
+          rotated=$(IFS=';'; echo "${list[*]:k};${list[*]:0:k}")
+          run_one 4 --model "$m" --steps 10 --cases "${rotated%;}" --append --out "$OUT/repeat"
+        done
+        python3 "$(dirname "$0")/job_report.py" --repeats "$OUT"/repeat/job_w4_"$m"*_nvlink.json
+      done 2>&1 | tee "$OUT/log_repeat.txt" ;;
     largest)
       for l in 8 16; do job 4 --model llama-7b --layers "$l" --steps 3 --cases "$LARGEST"; done 2>&1 | tee "$OUT/log_largest.txt"
       python3 "$(dirname "$0")/job_report.py" --largest "$OUT"/job_w4_llama-7b_L*_nvlink.json | tee "$OUT/largest.md" ;;
-    *) echo "unknown mode $mode: use nvlink, p2p-off, small, compile, compile-small, check, check1, reduce or largest" >&2; exit 2 ;;
+    *) echo "unknown mode $mode: use nvlink, p2p-off, small, compile, compile-small, check, check1, reduce, repeat or largest" >&2; exit 2 ;;
   esac
 done

@@ -130,6 +130,22 @@ def test_largest_model_extrapolates_peak_memory_per_layer(tmp_path):
     assert "| ddp | 8: failed, 16: failed | – | fewer than 8 |" in text, text
 
 
+def test_repeats_take_each_cases_median_over_processes(tmp_path):
+    """``job_report --repeats``: every case's median, least and most step over the files, and the
+    best 3-D median against the best peer's."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import job_report
+
+    runs = ({"3d 4x1x1 compile": 100.0, "fsdp2 compile": 108.0}, {"3d 4x1x1 compile": 110.0, "fsdp2 compile": 101.0},
+            {"fsdp2 compile": 102.0, "3d 4x1x1 compile": 104.0, "ddp": None})
+    for n, steps in enumerate(runs):
+        cases = [{"case": k, "step_ms": v} if v else {"case": k, "error": "OutOfMemoryError"} for k, v in steps.items()]
+        (tmp_path / f"p{n}.json").write_text(json.dumps({"meta": {}, "cases": cases}))
+    text = job_report.repeats([str(tmp_path / f"p{n}.json") for n in range(3)])
+    assert "| 3d 4x1x1 compile | 3 | 104.0 | 100.0 | 110.0 |" in text and "| fsdp2 compile | 3 | 102.0 | 101.0 | 108.0 |" in text, text
+    assert "ddp" not in text and "best 3-D 3d 4x1x1 compile against best peer fsdp2 compile, medians: 0.98×" in text, text
+
+
 def test_profile_timelines_from_traces(tmp_path):
     """``kernel_timeline`` splits a trace's GPU time by kind and exposure; ``peer_waits`` aligns two
     ranks' traces on the wall clock (different bases) and splits each collective into the wait for
