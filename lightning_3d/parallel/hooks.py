@@ -36,13 +36,13 @@ class _PrefetchWhenEnabled:
 
 
 class _EachForward:
-    """Enters a fresh context, ``make(module)``, around each forward of the module (nested calls nest)."""
+    """Enters a fresh context, ``make()``, around each forward of the module (nested calls nest)."""
 
-    def __init__(self, make: Callable[[nn.Module], contextlib.AbstractContextManager]):
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]):
         self.make, self.entered = make, []
 
     def enter(self, module: nn.Module, args) -> None:
-        self.entered.append(self.make(module).__enter__())
+        self.entered.append(self.make().__enter__())
 
     def leave(self, module, args, output) -> None:
         self.entered.pop().__exit__(None, None, None)
@@ -58,12 +58,12 @@ def attach_model_hooks(model: nn.Module, plan: Plan, grid: Grid, options: Runtim
     replica-gradient sum and the deferred token checks on ``model``. The contexts are entered before
     ``before_forward`` runs, so that its token checks defer too and an error it raises leaves each
     as entered (PyTorch runs ``always_call`` hooks then); the token checks are read last."""
-    tokens = _EachForward(lambda m: DeferredTokenChecks())
+    tokens = _EachForward(DeferredTokenChecks)
     prefetch = _PrefetchWhenEnabled(options)
     # The 3-D layers are found once, not at each forward (a walk over a 24-layer GPT's 273 modules
     # takes the host 0.13 ms); a layer added later sums its own gradients, as one outside a model does.
     layers = [m for m in model.modules() if isinstance(m, Module3D)]
-    replicated = _EachForward(lambda m: ReplicatedGradsAtOnce(grid, _replicated_uses(layers)))
+    replicated = _EachForward(lambda: ReplicatedGradsAtOnce(grid, _replicated_uses(layers)))
     for entered in (tokens, prefetch, replicated):
         model.register_forward_pre_hook(entered.enter)
     if plan.before_forward is not None:
