@@ -23,8 +23,8 @@ import statistics
 import sys
 
 
-def _is_peer(case: dict) -> bool:
-    return not case["case"].startswith("3d ")
+def _is_peer(label: str) -> bool:
+    return not label.startswith("3d ")
 
 
 def table(path: str) -> str:
@@ -32,9 +32,9 @@ def table(path: str) -> str:
         data = json.load(f)
     meta, cases = data["meta"], data["cases"]
     ran = [c for c in cases if "step_ms" in c]
-    peers = [c for c in ran if _is_peer(c)]
+    peers = [c for c in ran if _is_peer(c["case"])]
     best_peer = min(peers, key=lambda c: c["step_ms"]) if peers else None
-    best_3d = min((c for c in ran if not _is_peer(c)), key=lambda c: c["step_ms"], default=None)
+    best_3d = min((c for c in ran if not _is_peer(c["case"])), key=lambda c: c["step_ms"], default=None)
     head = (f"{meta['model']} ({meta['params'] / 1e9:.2f}B parameters), {meta['world']} GPU(s), {meta['links']}: "
             f"{meta['device']}, torch {meta['torch']}, {meta['date']}, {meta['commit']}; batch {meta['batch']}×{meta['seq']}, "
             f"matmul {meta['matmul_tflops']:.0f} TFLOP/s; median of {meta['steps']} steps after {meta['warmup']}")
@@ -62,8 +62,8 @@ def repeats(paths: list[str]) -> str:
     median = {case: statistics.median(ms) for case, ms in steps.items()}
     lines = ["| case | runs | median step ms | least | most |", "|---|---|---|---|---|"]
     lines += [f"| {case} | {len(ms)} | {median[case]:.1f} | {min(ms):.1f} | {max(ms):.1f} |" for case, ms in steps.items()]
-    ours = [case for case in steps if not _is_peer({"case": case})]
-    peers = [case for case in steps if _is_peer({"case": case})]
+    ours = [case for case in steps if not _is_peer(case)]
+    peers = [case for case in steps if _is_peer(case)]
     if ours and peers:
         best, peer = min(ours, key=median.get), min(peers, key=median.get)
         lines += ["", f"best 3-D {best} against best peer {peer}, medians: {median[peer] / median[best]:.2f}×"]
