@@ -13,7 +13,7 @@ step) for:
   with dp 2 when N >= 4;
 - ``3d``: ``DenseBlock`` stack parallelized by the GPT plan's block rules (``lightning_3d.models.gpt3d.block_rules``) on every ``px×py×pz`` grid whose size divides N
   (dp fills the rest; gradients all-reduced over dp inside the step), with the next weight's
-  all-gather prefetched (:class:`~lightning_3d.ops.matmul.WeightPrefetch`); and, on the A/B grids,
+  all-gather prefetched (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`); and, on the A/B grids,
   the variants ``before`` (the matmul and norm code of commit 4e34463, loaded from ``--before``),
   ``no-prefetch``, ``regather`` (``save_gathered=False``), ``split-qkv`` (three Linear3D for
   q, k, v instead of the fused one), ``normal-priority`` (NCCL streams of normal priority;

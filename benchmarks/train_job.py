@@ -74,7 +74,7 @@ import peers_job  # noqa: E402
 import lightning_3d  # noqa: E402
 from lightning_3d.grad_norm import clip_grad_norm_  # noqa: E402
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig  # noqa: E402
-from lightning_3d.ops.matmul import WeightPrefetch  # noqa: E402
+from lightning_3d.ops import WeightPrefetch  # noqa: E402
 from lightning_3d.machine import measure_machine  # noqa: E402
 from lightning_3d.planner import Machine, ModelShape  # noqa: E402
 from lightning_3d.strategy import grid_rules  # noqa: E402

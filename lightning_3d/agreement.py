@@ -94,9 +94,11 @@ def agree_on_first_call(owner: object, group: dist.ProcessGroup, what: str, **te
 
     ``owner`` is the layer being called (or the grid, for a function such as ``split_activation``):
     every rank of a cube calls its layers in the same order, so all of them check on the same call.
-    Call it before any check that could fail on some ranks only.
+    Call it before any check that could fail on some ranks only. Code that ``torch.compile``
+    traces (the blocks of a compiled model) skips it: its inputs come from a model whose entry
+    agreed on the batch eagerly, and a collective here would break the graph.
     """
-    if dist.get_world_size(group) == 1:  # nothing to agree on, and nothing for a compiled one-rank layer to trace
+    if dist.get_world_size(group) == 1 or torch.compiler.is_compiling():
         return
     tensors = {name: t for name, t in tensors.items() if t is not None}
     key = (what, *tensors)

@@ -3,12 +3,18 @@
 All-gather and reduce-scatter run on dim 0 of a contiguous tensor, so they need no copy or
 transpose around them. Each returns ``(tensor, handle)``; ``handle.wait()`` finishes an async
 call (``handle`` is a no-op when nothing was sent).
+
+Under ``torch.compile`` the 3-D layers communicate through custom ops, which take a group by its
+name (:func:`group_named`) and which the compiler keeps whole, as opaque nodes of its graph:
+:func:`all_reduce_sum` here, the 3-D products in :mod:`~lightning_3d.ops.matmul`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+# Private: the only way from a group's name (what a custom op can take) back to the group.
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 # torch 2.13 renamed the tensor variants; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,8 +56,31 @@ def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: boo
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
-    """In-place all-reduce of ``t`` over the group; returns ``(t, handle)``."""
+    """All-reduce ``t`` over the group; returns ``(result, handle)``. Eagerly the result is ``t``,
+    reduced in place; under ``torch.compile`` (sums only) it is a new tensor, made by a custom op
+    the compiler keeps whole (not differentiable: for use inside autograd functions)."""
     if dist.get_world_size(group) == 1:
         return t, DONE
+    if torch.compiler.is_compiling():
+        if op != dist.ReduceOp.SUM:
+            raise NotImplementedError(f"under torch.compile the all-reduce sums only, not {op}")
+        return _all_reduce_sum(t, group.group_name), DONE
     work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
     return t, (work if async_op else DONE)
+
+
+def group_named(name: str) -> dist.ProcessGroup:
+    """The process group whose ``group_name`` is ``name``."""
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("lightning_3d::all_reduce_sum", mutates_args=())
+def _all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = t.clone()
+    dist.all_reduce(out, group=group_named(group_name))
+    return out
+
+
+@_all_reduce_sum.register_fake
+def _(t, group_name):
+    return torch.empty_like(t)

@@ -23,13 +23,13 @@ class RuntimeOptions:
         save_gathered: keep the gathered activation and weight of every 3-D product for backward
             (default) or re-gather them there (less memory, more communication).
         prefetch: gather each weight one product ahead during forward
-            (:class:`~lightning_3d.ops.matmul.WeightPrefetch`; one gathered weight of memory).
+            (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`; one gathered weight of memory).
         activation_checkpointing: recompute the modules the plan names as checkpoint units in
             backward (non-reentrant ``torch.utils.checkpoint``; dropout masks are replayed).
-        compile: run each checkpoint unit (a Transformer block) through ``torch.compile``: the
-            norms, activations, residual adds and attention between its 3-D products are fused
-            by Inductor; the products, and every other step that communicates, run as they do
-            eagerly, between the compiled regions (:mod:`lightning_3d.parallel.units`).
+        compile: run each checkpoint unit (a Transformer block) through ``torch.compile``, one
+            graph on every grid: the norms, activations, residual adds and attention between its
+            3-D products are fused by Inductor; the products and all-reduces are custom ops in
+            the graph that run as they do eagerly (:mod:`lightning_3d.parallel.units`).
         check_inputs: raise on token ids and targets outside the vocabulary, as ``nn.Embedding``
             and ``F.cross_entropy`` do (one comparison and one host sync per embedding and loss
             call). Off, an id out of range looks up a row of zeros and a target out of range

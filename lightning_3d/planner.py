@@ -8,7 +8,7 @@ measured matmul rate, memory bandwidth and per-group-size collective bandwidth a
 then charges only the communication the implementation cannot hide:
 
 - 3-D forward: the input all-gather and the output reduce-scatter of each product; the weight
-  all-gather is prefetched during the previous product (:class:`~lightning_3d.ops.matmul.WeightPrefetch`)
+  all-gather is prefetched during the previous product (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`)
   and costs only what that product does not cover (all of it for the first product of a step).
 - 3-D backward: the gradient all-gather; the larger of the two reduce-scatters hides behind the
   other product, the smaller is exposed; the re-gathers when gathered operands are not saved.

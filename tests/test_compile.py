@@ -1,8 +1,9 @@
 """``RuntimeOptions(compile=True)``: GPT3D with its blocks compiled equals DenseGPT (float64) on every grid.
 
-The communicating 3-D layers run eagerly between the compiled regions; on a 1×1×1 cube a block
-compiles into one graph. Each job starts from a fresh compiler cache and fails unless graphs were
-really compiled and none of them fell back to eager at the recompile limit.
+Each block compiles into one graph on every grid: its 3-D products, norm statistics and
+replicated gradients are custom ops inside it. Each job starts from a fresh compiler cache and
+fails unless graphs were really compiled, none broke, and none fell back to eager at the
+recompile limit.
 """
 
 import torch
@@ -38,8 +39,35 @@ def compiled_job(grid):
     errs = {}
     for style in STYLES:
         _fresh_compiler()
-        errs.update(_compiled(equivalence(grid, style, RuntimeOptions(compile=True)), breaks_allowed=grid.cube_size > 1))
+        errs.update(_compiled(equivalence(grid, style, RuntimeOptions(compile=True)), breaks_allowed=False))
     return {f"compiled_{k}": e for k, e in errs.items()}
+
+
+def compiled_options_job(grid):
+    """The compiled model with each other run-time choice on (prefetched weights, regathered
+    operands, collective matmuls) against DenseGPT."""
+    options = RuntimeOptions(compile=True, prefetch=True, save_gathered=False, async_tp=True)
+    _fresh_compiler()
+    return {f"options_{k}": e for k, e in _compiled(equivalence(grid, "llama", options), breaks_allowed=False).items()}
+
+
+def compiled_autocast_job(grid):
+    """Under bf16 autocast (products cast inside the custom ops), the compiled float32 model's
+    loss and gradients against the same model run eagerly."""
+    _, model = pair(grid, config("gpt2"), 3, dtype=torch.float32)
+    idx, targets = batch(grid, 4)
+    runs = []
+    for compiled in (False, True):
+        _fresh_compiler()
+        model.zero_grad()
+        model.options.compile = compiled
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, targets)
+        loss.backward()
+        runs.append((loss.detach(), [unshard_tensor(p.grad, get_spec(p), grid) for p in model.parameters()]))
+    (loss0, grads0), (loss1, grads1) = runs
+    errs = {"loss": rel(loss1, loss0), **{f"grad{n}": rel(g1, g0) for n, (g0, g1) in enumerate(zip(grads0, grads1))}}
+    return _compiled(errs, breaks_allowed=False)
 
 
 def compiled_checkpointing_job(grid):
@@ -66,6 +94,14 @@ def test_compiled_gpt3d_equals_dense_on_grids():
 
 def test_compiled_gpt3d_equals_dense_on_2x2x2():
     assert_close(harness.run(8, on_grids, [(2, 2, 2)], compiled_job), tol=1e-9)
+
+
+def test_compiled_gpt3d_with_prefetch_regather_and_collective_matmuls():
+    assert_close(harness.run(4, on_grids, [(2, 1, 1), (1, 2, 1), (2, 2, 1)], compiled_options_job), tol=1e-9)
+
+
+def test_compiled_gpt3d_under_autocast_matches_eager():
+    assert_close(harness.run(4, on_grids, [(2, 1, 1), (1, 2, 2)], compiled_autocast_job), tol=3e-2)
 
 
 def test_compiled_blocks_with_checkpointing_and_dropout():

@@ -7,7 +7,7 @@ from torch import nn
 import harness
 from checks import local
 from lightning_3d import Linear3D
-from lightning_3d.ops.matmul import WeightPrefetch
+from lightning_3d.ops import WeightPrefetch
 
 N = 8
 

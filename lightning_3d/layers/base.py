@@ -9,7 +9,7 @@ rows and grouping is a reshape (:func:`dense_to_global`, :func:`~lightning_3d.ch
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
@@ -94,13 +94,17 @@ class Module3D(nn.Module):
     it runs with (shared by every layer ``parallelize`` builds), and exchanges weights as dense
     state dicts."""
 
+    #: Whether ``torch.compile`` traces the forward on a cube of several ranks: true where the layer
+    #: communicates only through custom ops (the 3-D products, norm statistics, replicated
+    #: gradients), which the compiler keeps whole. Any other layer runs there as one opaque eager
+    #: step; on a one-rank cube every layer is traced.
+    traceable: ClassVar[bool] = False
+
     def __init__(self, grid: Grid | None = None, options: RuntimeOptions | None = None):
         super().__init__()
         self.grid = resolve_grid(grid)
         self.options = resolve_options(options)
-        if self.grid.cube_size > 1:
-            # torch.compile runs a layer that communicates as one opaque eager step (its collectives
-            # and their overlap with the products as they are); on a one-rank cube it traces it.
+        if self.grid.cube_size > 1 and not self.traceable:
             self.forward = torch.compiler.disable(self.forward)
 
     def _apply(self, fn, recurse=True):

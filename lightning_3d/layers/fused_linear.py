@@ -39,6 +39,8 @@ class FusedLinear3D(Module3D):
     would give for that group, as the dense twin's output chunks into the groups' full outputs.
     """
 
+    traceable = True
+
     def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True,
                  input_layout: str | Layout = "z", grid: Grid | None = None, device=None, dtype=None,
                  options: RuntimeOptions | None = None):

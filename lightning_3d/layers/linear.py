@@ -40,6 +40,8 @@ class Linear3D(Module3D):
             :class:`~lightning_3d.options.RuntimeOptions`.
     """
 
+    traceable = True
+
     def __init__(
         self,
         in_features: int,

@@ -24,6 +24,8 @@ def _features(normalized_shape) -> int:
 class _Norm3D(Module3D):
     """Shared body: a feature vector per affine parameter, block ``f`` replicated over the rows."""
 
+    traceable = True
+
     center: bool
 
     def __init__(self, normalized_shape, eps, elementwise_affine, bias, layout, grid, device, dtype):

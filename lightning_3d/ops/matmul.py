@@ -35,6 +35,7 @@ from .. import comm
 from . import async_tp
 from ..grid import Grid, resolve_grid
 from ..options import RuntimeOptions, resolve_options
+from .prefetch import WeightPrefetch, active_prefetch
 
 
 def _mm(form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,103 +56,37 @@ _BACKWARD = {
 }
 
 
-class WeightPrefetch:
-    """While active, starts the all-gather of the next weight as soon as the current one is gathered.
-
-    Use it as a context manager around forward passes (``with prefetch: loss = model(x)``), or
-    :meth:`attach` it to a model to enter it around every forward. The first forward
-    records the order in which the 3-D products gather their operand B when it is a parameter
-    (or a view of one); from then on, gathering weight k also starts the gather of weight k+1,
-    so that its communication hides behind product k instead of delaying product k+1. A
-    prefetched weight is used only while it is the same version of the same storage in the same
-    dtype (an in-place change in between, as an optimizer step makes, discards it; a change
-    through ``.data`` bumps no version and would go unseen). One is held at a time, costing one
-    gathered weight of memory; results are bit-identical.
-    """
-
-    def __init__(self):
-        self._order: list[tuple[torch.Tensor, object]] = []
-        self._position: dict[tuple, int] = {}
-        self._ahead: tuple | None = None  # (key, version, dtype, gathered, handle)
-        self._outer: list[WeightPrefetch | None] = []
-
-    def __enter__(self) -> WeightPrefetch:
-        global _active_prefetch
-        self._outer.append(_active_prefetch)
-        _active_prefetch = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        global _active_prefetch
-        _active_prefetch = self._outer.pop()
-        self._drop()
-
-    def attach(self, module: torch.nn.Module) -> WeightPrefetch:
-        """Be active during every forward of ``module`` (forward hooks); returns ``self``."""
-        def enter(mod, args) -> None:
-            self.__enter__()
-
-        def leave(mod, args, out) -> None:
-            self.__exit__()
-
-        module.register_forward_pre_hook(enter)
-        module.register_forward_hook(leave, always_call=True)
-        return self
-
-    def _drop(self) -> None:
-        if self._ahead is not None:  # unused: let the stream finish with its buffer first
-            self._ahead[4].wait()
-            self._ahead = None
-
-    def gather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
-        """``all_gather_dim0(w.to(dtype), group, async_op=True)``, served from the prefetch when it matches."""
-        key = _storage_key(w)
-        ahead = self._ahead
-        if ahead is not None and ahead[:3] == (key, w._version, dtype):
-            self._ahead = None
-            gathered = ahead[3:]
-        else:
-            self._drop()
-            gathered = comm.all_gather_dim0(_cast(w, dtype), group, async_op=True)
-        if key not in self._position:
-            self._position[key] = len(self._order)
-            self._order.append((w, group))
-        following = self._position[key] + 1
-        if following < len(self._order):
-            w_next, group_next = self._order[following]
-            gathered_next = comm.all_gather_dim0(_cast(w_next, dtype), group_next, async_op=True)
-            self._ahead = (_storage_key(w_next), w_next._version, dtype) + gathered_next
-        return gathered
-
-
-_active_prefetch: WeightPrefetch | None = None
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-
-
 def _is_parameter(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 class MatmulPlan(NamedTuple):
-    """What one 3-D matmul does: its form, its three groups, whether it saves gathered operands,
-    the active :class:`WeightPrefetch` that gathers operand B (None: gather it here), and whether
-    gathers and scatters next to a product run as collective matmuls (``RuntimeOptions.async_tp``)."""
+    """What one 3-D matmul does: its form; its three groups, their names and sizes; whether it
+    saves gathered operands; the dtype autocast multiplies in (None: autocast is off); whether
+    operand B is a parameter (gathered through the active :class:`WeightPrefetch`, and cast again
+    in backward rather than kept as a cast copy); whether gathers and scatters next to a product
+    run as collective matmuls (``RuntimeOptions.async_tp``)."""
 
     form: str
-    group_a: object
-    group_b: object
-    group_c: object
+    groups: tuple
+    names: tuple[str, str, str]
+    sizes: tuple[int, int, int]
     save_gathered: bool
-    prefetch: WeightPrefetch | None = None
-    async_tp: bool = False
+    cast: torch.dtype | None
+    b_is_parameter: bool
+    async_tp: bool
 
-    def fused(self, form: str, group) -> bool:
-        """Whether the gather or scatter over ``group`` next to a product of ``form`` runs as a
-        collective matmul (:mod:`~lightning_3d.ops.async_tp`)."""
-        return self.async_tp and form in async_tp.FORMS and dist.get_world_size(group) > 1
+    def fused(self, form: str, k: int) -> bool:
+        """Whether the gather or scatter over group ``k`` (0: A's, 1: B's, 2: C's) next to a product
+        of ``form`` runs as a collective matmul (:mod:`~lightning_3d.ops.async_tp`)."""
+        return self.async_tp and form in async_tp.FORMS and self.sizes[k] > 1
+
+    @property
+    def recasts_b(self) -> bool:
+        """Backward casts B again from the parameter instead of keeping a cast copy. B gathered over
+        a group of one is that copy; a parameter is kept alive anyway, and the cast costs a fraction
+        of a millisecond."""
+        return self.b_is_parameter and (not self.save_gathered or self.sizes[1] == 1)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -166,90 +101,197 @@ def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     return None
 
 
+def _forward(plan: MatmulPlan, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None):
+    """``(C, A kept for backward, B kept for backward)``. Gathers A and B together (B through the
+    active prefetch when it is a parameter), multiplies, reduce-scatters C; the bias joins the
+    partial product of one rank of C's group, since the reduce-scatter sums over that group."""
+    group_a, group_b, group_c = plan.groups
+    a, weight = _cast(a, plan.cast), b
+    fuse_gather = plan.fused(plan.form, 0)
+    a_full, wait_a = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(a, group_a, async_op=True)
+    prefetch = active_prefetch() if plan.b_is_parameter else None
+    if prefetch is None:
+        b_full, wait_b = comm.all_gather_dim0(_cast(b, plan.cast), group_b, async_op=True)
+    else:
+        b_full, wait_b = prefetch.gather(b, group_b, plan.cast)
+    wait_a.wait()
+    wait_b.wait()
+    bias = bias.to(b_full.dtype) if bias is not None and dist.get_rank(group_c) == 0 else None
+    if fuse_gather:
+        a_full, c = async_tp.all_gather_matmul(plan.form, a, b_full, bias, group_a)
+        c, _ = comm.reduce_scatter_dim0(c, group_c)
+    else:
+        c, _ = _product_scatter(plan, plan.form, a_full, b_full, bias, 2)
+    kept_b = weight if plan.recasts_b else b_full if plan.save_gathered else _cast(weight, plan.cast)
+    return c, a_full if plan.save_gathered else a, kept_b
+
+
+def _backward(plan: MatmulPlan, grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, needs: tuple[bool, bool, bool]):
+    """``(dA, dB, dbias)`` in the layouts of A, B and the bias (None where ``needs`` is false),
+    from A and B as :func:`_forward` kept them. Gradients come in the dtype products run in."""
+    group_a, group_b, group_c = plan.groups
+    a, b = _cast(a, plan.cast), _cast(b, plan.cast)  # a no-op unless B is kept as the parameter
+    # dA's first operand is dC in forms "ab" and "abt": its gather can be fused into dA's product
+    form_a, (first_a, _) = _BACKWARD[plan.form][0]
+    fuse_gather = needs[0] and first_a == 2 and plan.fused(form_a, 2)
+    dc_full, wait_c = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(grad_c, group_c, async_op=True)
+    waits = [comm.DONE, comm.DONE]
+    if not plan.save_gathered:
+        a, waits[0] = comm.all_gather_dim0(a, group_a, async_op=True)
+        b, waits[1] = comm.all_gather_dim0(b, group_b, async_op=True)
+    wait_c.wait()
+    operands = [a, b, None if fuse_gather else dc_full.to(a.dtype)]
+    # the reduce-scatter of gradient k sends (|group_k| - 1)/|group_k| of its product: run the
+    # larger first; a fused gather of dC runs first, since the other product reads dC
+    moved = [a.numel() * (plan.sizes[0] - 1) if needs[0] else -1,
+             b.numel() * (plan.sizes[1] - 1) if needs[1] else -1]
+    if fuse_gather:
+        moved[0] = float("inf")
+    grads, scatters = [None, None], []
+    for k in sorted((k for k in (0, 1) if moved[k] >= 0), key=lambda k: -moved[k]):
+        form, (x, y) = _BACKWARD[plan.form][k]
+        waits[1 - k].wait()  # dA reads B, dB reads A
+        if k == 0 and fuse_gather:
+            operands[2], product = async_tp.all_gather_matmul(form, grad_c.to(a.dtype), operands[y], None, group_c)
+            grads[0], done = comm.reduce_scatter_dim0(product, group_a, async_op=True)
+        else:
+            grads[k], done = _product_scatter(plan, form, operands[x], operands[y], None, k, async_op=True)
+        scatters.append(done)
+    dc_full = operands[2]  # the bias's gradient sums C's whole group: dC as gathered over it
+    grad_bias = dc_full.sum(tuple(range(dc_full.dim() - 1))) if needs[2] else None
+    for done in scatters:
+        done.wait()
+    return grads[0], grads[1], grad_bias
+
+
+def _product_scatter(plan: MatmulPlan, form: str, a, b, bias, k: int, async_op: bool = False):
+    """``reduce_scatter_dim0(a ⊗ b + bias, group k)`` and its handle; a collective matmul (done on
+    return) when the plan fuses it."""
+    group = plan.groups[k]
+    if plan.fused(form, k):
+        return async_tp.matmul_reduce_scatter(form, a, b, bias, group), comm.DONE
+    return comm.reduce_scatter_dim0(_mm(form, a, b, bias), group, async_op=async_op)
+
+
+def _as_dtypes(grads, dtypes) -> tuple:
+    return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads, dtypes))
+
+
 class _Matmul3D(torch.autograd.Function):
+    """The eager 3-D product: :func:`_forward` and :func:`_backward` under autograd."""
+
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, plan: MatmulPlan) -> torch.Tensor:
         ctx.plan, ctx.dtypes = plan, (a.dtype, b.dtype, None if bias is None else bias.dtype)
-        cast = _autocast_dtype(a)  # communicate in the dtype autocast would multiply in
-        a, weight = _cast(a, cast), b
-        fuse_gather = plan.fused(plan.form, plan.group_a)
-        a_full, wait_a = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(a, plan.group_a, async_op=True)
-        if plan.prefetch is None:
-            b = _cast(b, cast)
-            b_full, wait_b = comm.all_gather_dim0(b, plan.group_b, async_op=True)
-        else:
-            b_full, wait_b = plan.prefetch.gather(b, plan.group_b, cast)
-        wait_a.wait()
-        wait_b.wait()
-        # the reduce-scatter sums over C's group: the bias joins the partial product of one rank
-        bias = bias.to(b_full.dtype) if bias is not None and dist.get_rank(plan.group_c) == 0 else None
-        if fuse_gather:
-            a_full, c = async_tp.all_gather_matmul(plan.form, a, b_full, bias, plan.group_a)
-            c, _ = comm.reduce_scatter_dim0(c, plan.group_c)
-        else:
-            c, _ = _product_scatter(plan, plan.form, a_full, b_full, bias, plan.group_c)
-        # B gathered over a group of one is a cast copy of B: a parameter is kept alive anyway, so
-        # backward casts it again (a fraction of a millisecond) instead of holding the copy
-        ctx.recast_b = cast if _is_parameter(weight) and (not plan.save_gathered or dist.get_world_size(plan.group_b) == 1) else None
-        saved_b = weight if ctx.recast_b is not None else b_full if plan.save_gathered else _cast(weight, cast)
-        ctx.save_for_backward(a_full if plan.save_gathered else a, saved_b)
+        c, kept_a, kept_b = _forward(plan, a, b, bias)
+        ctx.save_for_backward(kept_a, kept_b)
         return c
 
     @staticmethod
     def backward(ctx, grad_c: torch.Tensor):
-        plan = ctx.plan
-        a, b = ctx.saved_tensors
-        if ctx.recast_b is not None:
-            b = _cast(b, ctx.recast_b)
-        # dA's first operand is dC in forms "ab" and "abt": its gather can be fused into dA's product
-        form_a, (first_a, _) = _BACKWARD[plan.form][0]
-        fuse_gather = ctx.needs_input_grad[0] and first_a == 2 and plan.fused(form_a, plan.group_c)
-        dc_full, wait_c = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(grad_c, plan.group_c, async_op=True)
-        waits = [comm.DONE, comm.DONE]
-        if not plan.save_gathered:
-            a, waits[0] = comm.all_gather_dim0(a, plan.group_a, async_op=True)
-            b, waits[1] = comm.all_gather_dim0(b, plan.group_b, async_op=True)
-        wait_c.wait()
-        operands = [a, b, None if fuse_gather else dc_full.to(a.dtype)]
-        groups = (plan.group_a, plan.group_b)
-        # the reduce-scatter of gradient k sends (|group_k| - 1)/|group_k| of its product: run the
-        # larger first; a fused gather of dC runs first, since the other product reads dC
-        moved = [a.numel() * (dist.get_world_size(groups[0]) - 1) if ctx.needs_input_grad[0] else -1,
-                 b.numel() * (dist.get_world_size(groups[1]) - 1) if ctx.needs_input_grad[1] else -1]
-        if fuse_gather:
-            moved[0] = float("inf")
-        grads, scatters = [None, None], []
-        for k in sorted((k for k in (0, 1) if moved[k] >= 0), key=lambda k: -moved[k]):
-            form, (x, y) = _BACKWARD[plan.form][k]
-            waits[1 - k].wait()  # dA reads B, dB reads A
-            if k == 0 and fuse_gather:
-                operands[2], product = async_tp.all_gather_matmul(form, grad_c.to(a.dtype), operands[y], None, plan.group_c)
-                grads[0], done = comm.reduce_scatter_dim0(product, groups[0], async_op=True)
-            else:
-                grads[k], done = _product_scatter(plan, form, operands[x], operands[y], None, groups[k], async_op=True)
-            scatters.append(done)
-        dc_full = operands[2]  # the bias's gradient sums C's whole group: dC as gathered over it
-        grad_bias = dc_full.sum(tuple(range(dc_full.dim() - 1))) if ctx.needs_input_grad[2] else None
-        for done in scatters:
-            done.wait()
-        return tuple(None if g is None else g.to(dtype) for g, dtype in zip(grads + [grad_bias], ctx.dtypes)) + (None,)
+        grads = _backward(ctx.plan, grad_c, *ctx.saved_tensors, ctx.needs_input_grad[:3])
+        return _as_dtypes(grads, ctx.dtypes) + (None,)
 
 
-def _product_scatter(plan: MatmulPlan, form: str, a, b, bias, group, async_op: bool = False):
-    """``reduce_scatter_dim0(a ⊗ b + bias, group)`` and its handle; a collective matmul (done on
-    return) when the plan fuses it."""
-    if plan.fused(form, group):
-        return async_tp.matmul_reduce_scatter(form, a, b, bias, group), comm.DONE
-    return comm.reduce_scatter_dim0(_mm(form, a, b, bias), group, async_op=async_op)
+# Under torch.compile the same product runs as two custom ops (forward, backward), which the
+# compiler keeps whole while it fuses the work around them. Ops take groups by name, return no
+# None and alias no input: what the forward keeps of A or B unchanged is an empty tensor there,
+# and the autograd context keeps the input instead.
+
+def _op_args(plan: MatmulPlan) -> tuple:
+    """The plan as a custom op takes it: groups by name."""
+    return (plan.form, *plan.names, list(plan.sizes), plan.save_gathered, plan.cast, plan.b_is_parameter, plan.async_tp)
+
+
+def _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, async_tp, resolve: bool = True) -> MatmulPlan:
+    """The plan of :func:`_op_args`; its groups found from their names if ``resolve``."""
+    names = (name_a, name_b, name_c)
+    groups = tuple(comm.group_named(name) for name in names) if resolve else (None,) * 3
+    return MatmulPlan(form, groups, names, tuple(sizes), save_gathered, cast, b_is_parameter, async_tp)
+
+
+def _kept_as_given(plan: MatmulPlan, k: int, dtype: torch.dtype) -> bool:
+    """Whether what :func:`_forward` keeps of operand ``k`` (0: A, 1: B) is the operand itself."""
+    if k == 1 and plan.recasts_b:
+        return True
+    unchanged = plan.cast is None or plan.cast == dtype
+    return unchanged and (not plan.save_gathered or plan.sizes[k] == 1)
+
+
+@torch.library.custom_op("lightning_3d::matmul3d", mutates_args=())
+def _matmul3d_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, form: str, name_a: str, name_b: str,
+                 name_c: str, sizes: list[int], save_gathered: bool, cast: torch.dtype | None, b_is_parameter: bool,
+                 async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, async_tp)
+    c, kept_a, kept_b = _forward(plan, a, b, bias)
+    return (c, c.new_empty(0) if _kept_as_given(plan, 0, a.dtype) else kept_a,
+            c.new_empty(0) if _kept_as_given(plan, 1, b.dtype) else kept_b)
+
+
+@_matmul3d_op.register_fake
+def _(a, b, bias, *plan_args):
+    plan = _op_plan(*plan_args, resolve=False)
+    local = [t.new_empty(t.shape, dtype=plan.cast or t.dtype) for t in (a, b)]
+    full = [t.new_empty([t.shape[0] * size, *t.shape[1:]]) for t, size in zip(local, plan.sizes)]
+    c_full = _mm(plan.form, *full)
+    c = c_full.new_empty([c_full.shape[0] // plan.sizes[2], *c_full.shape[1:]])
+    kept = full if plan.save_gathered else local
+    return (c, *(c.new_empty(0) if _kept_as_given(plan, k, t.dtype) else kept[k] for k, t in enumerate((a, b))))
+
+
+@torch.library.custom_op("lightning_3d::matmul3d_backward", mutates_args=())
+def _matmul3d_backward_op(grad_c: torch.Tensor, kept_a: torch.Tensor, kept_b: torch.Tensor, shapes: list[int],
+                          dtype_a: torch.dtype, dtype_b: torch.dtype, dtype_bias: torch.dtype, needs: list[bool],
+                          form: str, name_a: str, name_b: str, name_c: str, sizes: list[int], save_gathered: bool,
+                          cast: torch.dtype | None, b_is_parameter: bool,
+                          async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, async_tp)
+    grads = _as_dtypes(_backward(plan, grad_c, kept_a, kept_b, tuple(needs)), (dtype_a, dtype_b, dtype_bias))
+    return tuple(g if g is not None else grad_c.new_empty(0) for g in grads)
+
+
+@_matmul3d_backward_op.register_fake
+def _(grad_c, kept_a, kept_b, shapes, dtype_a, dtype_b, dtype_bias, needs, *plan_args):
+    a_shape, b_shape = _split_shapes(shapes)
+    return tuple(grad_c.new_empty(shape if need else [0], dtype=dtype)
+                 for shape, dtype, need in zip((a_shape, b_shape, [grad_c.shape[-1]]), (dtype_a, dtype_b, dtype_bias), needs))
+
+
+def _split_shapes(shapes: list) -> tuple[list, list]:
+    """``[rank of A, *A's shape, *B's shape]`` → (A's shape, B's shape): one integer list, as ops take."""
+    rank = shapes[0]
+    return list(shapes[1:rank + 1]), list(shapes[rank + 1:])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a, b, bias, *plan_args = inputs
+    plan = _op_plan(*plan_args, resolve=False)
+    kept = [given if _kept_as_given(plan, k, given.dtype) else made for k, (given, made) in enumerate(zip((a, b), output[1:]))]
+    ctx.save_for_backward(*kept)
+    ctx.shapes = [a.dim(), *a.shape, *b.shape]
+    ctx.dtypes = (a.dtype, b.dtype, a.dtype if bias is None else bias.dtype)  # the bias's is unused without one
+    ctx.plan_args = plan_args
+
+
+def _op_backward(ctx, grad_c, _grad_kept_a, _grad_kept_b):
+    needs = list(ctx.needs_input_grad[:3])
+    grads = _matmul3d_backward_op(grad_c, *ctx.saved_tensors, ctx.shapes, *ctx.dtypes, needs, *ctx.plan_args)
+    return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * len(ctx.plan_args)
+
+
+_matmul3d_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tensor:
     grid, options = resolve_grid(grid), resolve_options(options)
     if grid.cube_size == 1:  # nothing to gather or scatter: the plain product, under plain autograd
         return _mm(form, a, b, bias)
-    ga, gb, gc = (grid.group(axis) for axis in directions)
-    prefetch = _active_prefetch if _is_parameter(b) else None
-    return _Matmul3D.apply(a, b, bias, MatmulPlan(form, ga, gb, gc, options.save_gathered, prefetch, options.async_tp))
+    groups = tuple(grid.group(axis) for axis in directions)
+    plan = MatmulPlan(form, groups, tuple(g.group_name for g in groups), tuple(grid.size(axis) for axis in directions),
+                      options.save_gathered, _autocast_dtype(a), _is_parameter(b), options.async_tp)
+    if torch.compiler.is_compiling():
+        return _matmul3d_op(a, b, bias, *_op_args(plan))[0]
+    return _Matmul3D.apply(a, b, bias, plan)
 
 
 def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, options: RuntimeOptions | None = None) -> torch.Tensor:

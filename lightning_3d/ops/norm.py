@@ -17,9 +17,7 @@ def _stats_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _row_sum(t: torch.Tensor, group) -> torch.Tensor:
-    s = t.sum(-1, keepdim=True)
-    comm.all_reduce(s, group)
-    return s
+    return comm.all_reduce(t.sum(-1, keepdim=True), group)[0]
 
 
 class _Normalize(torch.autograd.Function):
@@ -42,8 +40,7 @@ class _Normalize(torch.autograd.Function):
         g = grad.to(x_hat.dtype)
         sums = [g * x_hat] + ([g] if ctx.center else [])
         stats = torch.cat([s.sum(-1, keepdim=True) for s in sums], -1)
-        comm.all_reduce(stats, ctx.group)
-        stats = stats / ctx.features
+        stats = comm.all_reduce(stats, ctx.group)[0] / ctx.features
         dx = g - x_hat * stats[..., :1]
         if ctx.center:
             dx = dx - stats[..., 1:]

@@ -47,7 +47,7 @@ class _SumGradsOverReplicas(torch.autograd.Function):
         for group, count in ctx.groups:  # a fresh buffer per group: the all-reduce works in place
             span = range(start, start + count)
             flat = torch.cat([(grads[i] if grads[i] is not None else like.new_zeros(ctx.shapes[i])).reshape(-1) for i in span])
-            pending.append((span, flat, comm.all_reduce(flat, group, async_op=True)[1]))
+            pending.append((span, *comm.all_reduce(flat, group, async_op=True)))
             start += count
         out = [None] * len(grads)
         for span, flat, handle in pending:

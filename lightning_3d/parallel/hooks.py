@@ -12,7 +12,7 @@ from torch import nn
 
 from ..grid import Grid
 from ..layers.base import Module3D
-from ..ops.matmul import WeightPrefetch
+from ..ops.prefetch import WeightPrefetch
 from ..ops.replicated import ReplicatedGradsAtOnce
 from ..ops.token_ids import DeferredTokenChecks
 from ..options import RuntimeOptions

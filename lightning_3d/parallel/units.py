@@ -2,11 +2,11 @@
 
 Compiling a unit fuses the work between its 3-D products (norms, activations, residual adds,
 rotary embeddings, attention) with Inductor, as ``torch.compile`` per block does for a dense model.
-The steps that communicate (the 3-D products, norms over split features, the gradient sums of
-replicated parameters, dropout's per-rank masks) are opaque to the compiler
-(``torch.compiler.disable``): each ends one compiled region and runs as it does eagerly, with its
-own overlap of communication and computation, before the next region starts. On a 1×1×1 cube
-nothing communicates and a unit compiles into one graph, as the dense block does.
+The steps that communicate (the 3-D products, the all-reduces of norm statistics and replicated
+gradients) are custom ops inside the graph, opaque to the compiler, that run as they do eagerly
+with their own overlap of communication and computation: a unit is one graph on every grid
+(dropout with a probability above zero, whose per-rank masks the compiler's RNG would not follow,
+breaks it).
 """
 
 from __future__ import annotations
