@@ -9,7 +9,10 @@ Alone, each use sums its gradients in its own all-reduce as its layer's backward
 synchronisation of the ranks per layer. Inside :class:`ReplicatedGradsAtOnce` (which
 :func:`~lightning_3d.parallel.parallelize` enters around every forward of the model) the uses
 take views from one autograd node made at the start of the forward, whose backward runs once,
-after the last layer's: one all-reduce per replica group and step.
+after the last layer's: one all-reduce per replica group and step. Each listed parameter holds
+its views for the context's lifetime (attribute ``_replica_views``, ``{axes: view}``): a
+compiled block reads them as inputs of its graph, with guards on neither the parameter's
+identity nor the view's, so every block shares one graph.
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ from .. import comm
 from ..grid import Grid
 from ..sharding import get_spec, replicated_grad_axes
 
-# (id(parameter), axes) → its view from the active ReplicatedGradsAtOnce's node; None outside one.
-_active_views: dict[tuple[int, str], torch.Tensor] | None = None
+_VIEWS = "_replica_views"  # on a parameter inside a ReplicatedGradsAtOnce: {axes: its view from the context's node}
 
 
 class _SumGradsOverReplicas(torch.autograd.Function):
@@ -80,8 +82,9 @@ def use_replicated_together(params, grid: Grid, grad_summed_over: str = "") -> t
                          + ", ".join(repr(get_spec(p).replicated_axes) for p in present))
     if not axes:
         return tuple(params)
-    if _active_views is not None and all((id(p), axes) in _active_views for p in present):
-        views = iter([_active_views[id(p), axes] for p in present])
+    held = [(getattr(p, _VIEWS, None) or {}).get(axes) for p in present]
+    if all(view is not None for view in held):
+        views = iter(held)
     else:
         views = iter(_SumGradsOverReplicas.apply(((grid.group(axes), len(present)),), *present))
     return tuple(None if p is None else next(views) for p in params)
@@ -107,23 +110,25 @@ class ReplicatedGradsAtOnce:
         self.grid, self.uses, self._outer = grid, list(uses), []
 
     def __enter__(self) -> ReplicatedGradsAtOnce:
-        global _active_views
-        self._outer.append(_active_views)
-        _active_views = self._views() if torch.is_grad_enabled() else None
+        params = list({id(p): p for p, _ in self.uses}.values())
+        self._outer.append([(p, getattr(p, _VIEWS, None)) for p in params])
+        views = self._views() if torch.is_grad_enabled() else {}
+        for p in params:
+            setattr(p, _VIEWS, {axes: view for (key, axes), view in views.items() if key == id(p)} or None)
         return self
 
     def __exit__(self, *exc) -> None:
-        global _active_views
-        _active_views = self._outer.pop()
+        for p, outer in self._outer.pop():
+            setattr(p, _VIEWS, outer)
 
-    def _views(self) -> dict[tuple[int, str], torch.Tensor] | None:
+    def _views(self) -> dict[tuple[int, str], torch.Tensor]:
         by_group: dict[tuple[str, torch.dtype], dict[int, nn.Parameter]] = {}
         for param, summed in self.uses:
             axes = replicated_grad_axes(get_spec(param), self.grid, summed)
             if axes and param.requires_grad:
                 by_group.setdefault((axes, param.dtype), {})[id(param)] = param
         if not by_group:
-            return None
+            return {}
         keys = sorted(by_group, key=str)  # the same order on every rank
         groups = tuple((self.grid.group(axes), len(by_group[axes, dtype])) for axes, dtype in keys)
         views = iter(_SumGradsOverReplicas.apply(groups, *(p for key in keys for p in by_group[key].values())))
