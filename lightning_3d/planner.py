@@ -76,6 +76,8 @@ class Machine:
             over the product: its barriers and the ranks' skew, µs per product (fitted).
         job_gemm_efficiency: ``gemm_efficiency`` of the blocks in the whole training job
             (:func:`predict_job`: fp32 master weights under autocast, sustained clocks).
+        compiled_job_gemm_efficiency: the same with compiled blocks (each one graph, its
+            elementwise work fused around the products).
         eager_gated_passes: ``passes_fwd, passes_bwd`` added to gated (Llama-style: SwiGLU,
             RMSNorm, rotary embedding) blocks run eagerly; compiled blocks fuse them away.
         compiled_passes: ``passes_fwd, passes_bwd`` of blocks run through ``torch.compile``.
@@ -111,6 +113,7 @@ class Machine:
     peer_overhead_ms: float = 1.5
     pipeline_us: float = 60.0
     job_gemm_efficiency: float = 0.66
+    compiled_job_gemm_efficiency: float = 0.72
     eager_gated_passes: tuple[float, float] = (10.0, 20.0)
     compiled_passes: tuple[float, float] = (4.0, 8.0)
     optimizer_bytes: float = 50.0
@@ -443,10 +446,11 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     h, V = shape.hidden, shape.vocab
     passes = m.compiled_passes if compiled else (m.passes_fwd + m.eager_gated_passes[0] * shape.gated,
                                                   m.passes_bwd + m.eager_gated_passes[1] * shape.gated)
-    blocks = predict_3d(shape, grid, dp, replace(m, gemm_efficiency=m.job_gemm_efficiency, passes_fwd=passes[0], passes_bwd=passes[1]),
+    efficiency = m.compiled_job_gemm_efficiency if compiled else m.job_gemm_efficiency
+    blocks = predict_3d(shape, grid, dp, replace(m, gemm_efficiency=efficiency, passes_fwd=passes[0], passes_bwd=passes[1]),
                         save_gathered, async_tp)
     c = _Collectives(grid, dp, m)
-    rate, hbm = m.matmul_tflops * 1e12 * m.job_gemm_efficiency, m.hbm_GBps * 1e9
+    rate, hbm = m.matmul_tflops * 1e12 * efficiency, m.hbm_GBps * 1e9
     tokens = shape.batch * shape.seq / dp  # per replica
     latency = m.link("all_reduce", cube, any(a in c.across for a in "xyz")).latency_us * 1e-6
 
