@@ -21,6 +21,10 @@ reduce-scatters: no gradient needs any further reduction.
 Example, Linear3D ``z → y`` with ``directions=("y", "x", "z")``: ``A`` ``[b/(px·py), s, N/pz]``
 is gathered over y to ``[b/px, s, N/pz]``; ``W`` ``[K/(px·py), N/pz]`` over x to ``[K/py, N/pz]``;
 ``A @ Wᵀ`` ``[b/px, s, K/py]`` is reduce-scattered over z to ``[b/(px·pz), s, K/py]``: y-layout.
+
+Eagerly a product is one autograd function (:class:`_Matmul3D`); under ``torch.compile`` the same
+forward and backward run as the custom ops ``lightning_3d::matmul3d`` and
+``lightning_3d::matmul3d_backward``, opaque nodes of the compiled graph.
 """
 
 from __future__ import annotations
