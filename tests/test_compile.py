@@ -56,23 +56,31 @@ def compiled_options_job(grid):
     return {f"options_{k}": e for k, e in _compiled(equivalence(grid, "llama", options), breaks_allowed=False).items()}
 
 
+def _compiled_against_eager(model, run) -> dict:
+    """Relative errors of the loss and every gradient of ``run(True)`` (compiled) against ``run(False)``."""
+    runs = []
+    for compiled in (False, True):
+        model.zero_grad()
+        loss = run(compiled)
+        loss.backward()
+        runs.append((loss.detach(), [unshard_tensor(p.grad, get_spec(p), model.grid) for p in model.parameters()]))
+    (loss0, grads0), (loss1, grads1) = runs
+    return {"loss": rel(loss1, loss0), **{f"grad{n}": rel(g1, g0) for n, (g0, g1) in enumerate(zip(grads0, grads1))}}
+
+
 def compiled_autocast_job(grid):
     """Under bf16 autocast (products cast inside the custom ops), the compiled float32 model's
     loss and gradients against the same model run eagerly."""
     _, model = pair(grid, config("gpt2"), 3, dtype=torch.float32)
     idx, targets = batch(grid, 4)
-    runs = []
-    for compiled in (False, True):
+
+    def run(compiled):
         _fresh_compiler()
-        model.zero_grad()
         model.options.compile = compiled
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(idx, targets)
-        loss.backward()
-        runs.append((loss.detach(), [unshard_tensor(p.grad, get_spec(p), grid) for p in model.parameters()]))
-    (loss0, grads0), (loss1, grads1) = runs
-    errs = {"loss": rel(loss1, loss0), **{f"grad{n}": rel(g1, g0) for n, (g0, g1) in enumerate(zip(grads0, grads1))}}
-    return _compiled(errs, breaks_allowed=False)
+            return model(idx, targets)
+
+    return _compiled(_compiled_against_eager(model, run), breaks_allowed=False)
 
 
 def compiled_checkpointing_job(grid):
@@ -80,17 +88,13 @@ def compiled_checkpointing_job(grid):
     _fresh_compiler()
     _, model = pair(grid, config("llama", dropout=0.2), 3)
     idx, targets = batch(grid, 4)
-    runs = []
-    for compiled in (False, True):
-        model.zero_grad()
+
+    def run(compiled):
         model.options.compile = model.options.activation_checkpointing = compiled
         torch.manual_seed(5)
-        loss = model(idx, targets)
-        loss.backward()
-        runs.append((loss.detach(), [unshard_tensor(p.grad, get_spec(p), grid) for p in model.parameters()]))
-    (loss0, grads0), (loss1, grads1) = runs
-    errs = {"loss": rel(loss1, loss0), **{f"grad{n}": rel(g1, g0) for n, (g0, g1) in enumerate(zip(grads0, grads1))}}
-    return _compiled(errs, breaks_allowed=True)
+        return model(idx, targets)
+
+    return _compiled(_compiled_against_eager(model, run), breaks_allowed=True)
 
 
 def test_compiled_gpt3d_equals_dense_on_grids():
