@@ -114,14 +114,15 @@ class ReplicatedGradsAtOnce:
         self._outer.append([(p, getattr(p, _VIEWS, None)) for p in params])
         views = self._views() if torch.is_grad_enabled() else {}
         for p in params:
-            setattr(p, _VIEWS, {axes: view for (key, axes), view in views.items() if key == id(p)} or None)
+            setattr(p, _VIEWS, views.get(id(p)))
         return self
 
     def __exit__(self, *exc) -> None:
         for p, outer in self._outer.pop():
             setattr(p, _VIEWS, outer)
 
-    def _views(self) -> dict[tuple[int, str], torch.Tensor]:
+    def _views(self) -> dict[int, dict[str, torch.Tensor]]:
+        """``{id(parameter): {axes: its view}}`` from one new node."""
         by_group: dict[tuple[str, torch.dtype], dict[int, nn.Parameter]] = {}
         for param, summed in self.uses:
             axes = replicated_grad_axes(get_spec(param), self.grid, summed)
@@ -132,4 +133,8 @@ class ReplicatedGradsAtOnce:
         keys = sorted(by_group, key=str)  # the same order on every rank
         groups = tuple((self.grid.group(axes), len(by_group[axes, dtype])) for axes, dtype in keys)
         views = iter(_SumGradsOverReplicas.apply(groups, *(p for key in keys for p in by_group[key].values())))
-        return {(id(p), axes): next(views) for axes, dtype in keys for p in by_group[axes, dtype].values()}
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for axes, dtype in keys:
+            for p in by_group[axes, dtype].values():
+                out.setdefault(id(p), {})[axes] = next(views)
+        return out
