@@ -6,7 +6,7 @@ call (``handle`` is a no-op when nothing was sent).
 
 Under ``torch.compile`` the 3-D layers communicate through custom ops, which take a group by its
 name (:func:`group_named`) and which the compiler keeps whole, as opaque nodes of its graph:
-:func:`all_reduce_sum` here, the 3-D products in :mod:`~lightning_3d.ops.matmul`.
+:func:`all_reduce` here, the 3-D products in :mod:`~lightning_3d.ops.matmul`.
 """
 
 from __future__ import annotations
@@ -57,14 +57,12 @@ def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: boo
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
     """All-reduce ``t`` over the group; returns ``(result, handle)``. Eagerly the result is ``t``,
-    reduced in place; under ``torch.compile`` (sums only) it is a new tensor, made by a custom op
-    the compiler keeps whole (not differentiable: for use inside autograd functions)."""
+    reduced in place; under ``torch.compile`` it is a new tensor, made by a custom op the compiler
+    keeps whole (not differentiable: for use inside autograd functions)."""
     if dist.get_world_size(group) == 1:
         return t, DONE
     if torch.compiler.is_compiling():
-        if op != dist.ReduceOp.SUM:
-            raise NotImplementedError(f"under torch.compile the all-reduce sums only, not {op}")
-        return _all_reduce_sum(t, group.group_name), DONE
+        return _all_reduce(t, op.name, group.group_name), DONE
     work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
     return t, (work if async_op else DONE)
 
@@ -74,13 +72,13 @@ def group_named(name: str) -> dist.ProcessGroup:
     return _resolve_process_group(name)
 
 
-@torch.library.custom_op("lightning_3d::all_reduce_sum", mutates_args=())
-def _all_reduce_sum(t: torch.Tensor, group_name: str) -> torch.Tensor:
+@torch.library.custom_op("lightning_3d::all_reduce", mutates_args=())
+def _all_reduce(t: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
     out = t.clone()
-    dist.all_reduce(out, group=group_named(group_name))
+    dist.all_reduce(out, op=getattr(dist.ReduceOp, op), group=group_named(group_name))
     return out
 
 
-@_all_reduce_sum.register_fake
-def _(t, group_name):
+@_all_reduce.register_fake
+def _(t, op, group_name):
     return torch.empty_like(t)

@@ -65,7 +65,7 @@ def _is_parameter(t: torch.Tensor) -> bool:
 
 
 class MatmulPlan(NamedTuple):
-    """What one 3-D matmul does: its form; its three groups, their names and sizes; whether it
+    """What one 3-D matmul does: its form; its three groups and their sizes; whether it
     saves gathered operands; the dtype autocast multiplies in (None: autocast is off); whether
     operand B is a parameter (gathered through the active :class:`WeightPrefetch`, and cast again
     in backward rather than kept as a cast copy); whether gathers and scatters next to a product
@@ -73,7 +73,6 @@ class MatmulPlan(NamedTuple):
 
     form: str
     groups: tuple
-    names: tuple[str, str, str]
     sizes: tuple[int, int, int]
     save_gathered: bool
     cast: torch.dtype | None
@@ -204,14 +203,13 @@ class _Matmul3D(torch.autograd.Function):
 
 def _op_args(plan: MatmulPlan) -> tuple:
     """The plan as a custom op takes it: groups by name."""
-    return (plan.form, *plan.names, list(plan.sizes), plan.save_gathered, plan.cast, plan.b_is_parameter, plan.async_tp)
+    return (plan.form, *(group.group_name for group in plan.groups), list(plan.sizes), plan.save_gathered, plan.cast, plan.b_is_parameter, plan.async_tp)
 
 
 def _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, async_tp, resolve: bool = True) -> MatmulPlan:
     """The plan of :func:`_op_args`; its groups found from their names if ``resolve``."""
-    names = (name_a, name_b, name_c)
-    groups = tuple(comm.group_named(name) for name in names) if resolve else (None,) * 3
-    return MatmulPlan(form, groups, names, tuple(sizes), save_gathered, cast, b_is_parameter, async_tp)
+    groups = tuple(comm.group_named(name) for name in (name_a, name_b, name_c)) if resolve else (None,) * 3
+    return MatmulPlan(form, groups, tuple(sizes), save_gathered, cast, b_is_parameter, async_tp)
 
 
 def _kept_as_given(plan: MatmulPlan, k: int, dtype: torch.dtype) -> bool:
@@ -291,8 +289,8 @@ def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tens
     if grid.cube_size == 1:  # nothing to gather or scatter: the plain product, under plain autograd
         return _mm(form, a, b, bias)
     groups = tuple(grid.group(axis) for axis in directions)
-    plan = MatmulPlan(form, groups, tuple(g.group_name for g in groups), tuple(grid.size(axis) for axis in directions),
-                      options.save_gathered, _autocast_dtype(a), _is_parameter(b), options.async_tp)
+    plan = MatmulPlan(form, groups, tuple(grid.size(axis) for axis in directions), options.save_gathered,
+                      _autocast_dtype(a), _is_parameter(b), options.async_tp)
     if torch.compiler.is_compiling():
         return _matmul3d_op(a, b, bias, *_op_args(plan))[0]
     return _Matmul3D.apply(a, b, bias, plan)
