@@ -203,7 +203,8 @@ class _Matmul3D(torch.autograd.Function):
 
 def _op_args(plan: MatmulPlan) -> tuple:
     """The plan as a custom op takes it: groups by name."""
-    return (plan.form, *(group.group_name for group in plan.groups), list(plan.sizes), plan.save_gathered, plan.cast, plan.b_is_parameter, plan.async_tp)
+    return (plan.form, *(group.group_name for group in plan.groups), list(plan.sizes), plan.save_gathered, plan.cast,
+            plan.b_is_parameter, plan.async_tp)
 
 
 def _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, async_tp, resolve: bool = True) -> MatmulPlan:

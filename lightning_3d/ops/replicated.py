@@ -108,12 +108,12 @@ class ReplicatedGradsAtOnce:
 
     def __init__(self, grid: Grid, uses: Iterable[tuple[nn.Parameter, str]]):
         self.grid, self.uses, self._outer = grid, list(uses), []
+        self._params = list({id(p): p for p, _ in self.uses}.values())
 
     def __enter__(self) -> ReplicatedGradsAtOnce:
-        params = list({id(p): p for p, _ in self.uses}.values())
-        self._outer.append([(p, getattr(p, _VIEWS, None)) for p in params])
+        self._outer.append([(p, getattr(p, _VIEWS, None)) for p in self._params])
         views = self._views() if torch.is_grad_enabled() else {}
-        for p in params:
+        for p in self._params:
             setattr(p, _VIEWS, views.get(id(p)))
         return self
 
