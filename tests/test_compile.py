@@ -10,6 +10,7 @@ import torch
 
 import harness
 from checks import assert_close, on_grids, rel
+from lightning_3d.ops.prefetch import backward_prefetch
 from lightning_3d.options import RuntimeOptions
 from lightning_3d.sharding import get_spec, unshard_tensor
 from test_gpt import STYLES, batch, config, equivalence, pair
@@ -50,10 +51,14 @@ def compiled_job(grid):
 
 def compiled_options_job(grid):
     """The compiled model with each other run-time choice on (prefetched weights, regathered
-    operands, collective matmuls) against DenseGPT."""
+    operands, collective matmuls) against DenseGPT; every weight its forward gathered through the
+    prefetch is re-gathered through it in backward (the custom ops see their weights as parameters)."""
     options = RuntimeOptions(compile=True, prefetch=True, save_gathered=False, async_tp=True)
     _fresh_compiler()
-    return {f"options_{k}": e for k, e in _compiled(equivalence(grid, "llama", options), breaks_allowed=False).items()}
+    errs = _compiled(equivalence(grid, "llama", options), breaks_allowed=False)
+    fetched = backward_prefetch()
+    errs["backward_prefetch_order"] = float(fetched is None or not 0 < len(fetched._backward.order) == len(fetched._forward.order))
+    return {f"options_{k}": e for k, e in errs.items()}
 
 
 def _compiled_against_eager(model, run) -> dict:

@@ -1,20 +1,23 @@
 """WeightPrefetch gathers each weight one product ahead and gives bit-identical results, and a
-weight changed in place after its prefetch was started is gathered again (never used stale)."""
+weight changed in place after its prefetch was started is gathered again (never used stale).
+With ``save_gathered=False`` it re-gathers each weight one product ahead in backward too, with
+bit-identical gradients."""
 
 import torch
 from torch import nn
 
 import harness
 from checks import local
-from lightning_3d import Linear3D
+from lightning_3d import Linear3D, RuntimeOptions
 from lightning_3d.ops import WeightPrefetch
 
 N = 8
 
 
-def _stack(grid):
+def _stack(grid, options=None):
     torch.manual_seed(0)
-    return nn.Sequential(*[Linear3D(N, N, input_layout=layout, grid=grid, dtype=torch.float64) for layout in "zyzy"])
+    return nn.Sequential(*[Linear3D(N, N, input_layout=layout, grid=grid, dtype=torch.float64, options=options)
+                           for layout in "zyzy"])
 
 
 @torch.no_grad()
@@ -39,7 +42,7 @@ def prefetch_job(shape):
         if step == 2:
             handle.remove()
         outs.append(bool(torch.equal(y_plain, y_fetched)))
-    return outs, len(prefetch._order)
+    return outs, len(prefetch._forward.order)
 
 
 def test_prefetch_is_exact_and_never_stale():
@@ -47,3 +50,45 @@ def test_prefetch_is_exact_and_never_stale():
         for outs, recorded in harness.run(4, prefetch_job, shape):
             assert outs == [True, True, True], (shape, outs)
             assert recorded == 4
+
+
+def backward_prefetch_job(shape):
+    """Per step: whether the gradients equal those of the same stack without prefetch, and
+    whether layer 1's weight had been re-gathered ahead when its output's gradient arrived (by
+    layer 2's backward). Steps update the weights in place in between, as an optimizer does; the
+    stack without prefetch runs its backward after the other's forward, and none of its weights
+    may enter the recorded order."""
+    grid = harness.grid(shape)
+    options = RuntimeOptions(save_gathered=False)
+    plain, fetched = _stack(grid, options), _stack(grid, options)
+    prefetch = WeightPrefetch().attach(fetched)
+    fetched_ahead = []
+
+    def watch(mod, args, out) -> None:
+        out.register_hook(lambda g: fetched_ahead.append(prefetch._backward.ahead is not None))
+
+    fetched[1].register_forward_hook(watch)
+    outs = []
+    for step in range(3):
+        torch.manual_seed(10 + step)
+        x = local(torch.randn(4, 3, N, dtype=torch.float64), "z", grid)
+        g = local(torch.randn(4, 3, N, dtype=torch.float64), "z", grid)  # the stack maps z → z
+        for model in (plain, fetched):
+            model.zero_grad()
+            model(x).backward(g)
+        outs.append(all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), fetched.parameters())))
+        for model in (plain, fetched):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.1 * p.grad)
+    return outs, fetched_ahead, len(prefetch._backward.order)
+
+
+def test_backward_regathers_are_prefetched_and_exact():
+    for shape in [(2, 1, 1), (2, 2, 1), (1, 2, 2)]:
+        for outs, ahead, recorded in harness.run(4, backward_prefetch_job, shape):
+            assert outs == [True, True, True], (shape, outs)
+            assert recorded == 4, (shape, recorded)
+            # the first backward records the order; the later ones fetch ahead (a weight gathered
+            # over one rank, px = 1, is its own gather and still follows the order)
+            assert ahead == [False, True, True], (shape, ahead)

@@ -39,7 +39,7 @@ from .. import comm
 from . import async_tp
 from ..grid import Grid, resolve_grid
 from ..options import RuntimeOptions, resolve_options
-from .prefetch import WeightPrefetch, active_prefetch
+from .prefetch import WeightPrefetch, active_prefetch, backward_prefetch
 
 
 def _mm(form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,15 +108,12 @@ def _forward(plan: MatmulPlan, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
     """``(C, A kept for backward, B kept for backward)``. Gathers A and B together (B through the
     active prefetch when it is a parameter), multiplies, reduce-scatters C; the bias joins the
     partial product of one rank of C's group, since the reduce-scatter sums over that group."""
-    group_a, group_b, group_c = plan.groups
+    group_a, _, group_c = plan.groups
     a, weight = _cast(a, plan.cast), b
     fuse_gather = plan.fused(plan.form, 0)
     a_full, wait_a = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(a, group_a, async_op=True)
     prefetch = active_prefetch() if plan.b_is_parameter else None
-    if prefetch is None:
-        b_full, wait_b = comm.all_gather_dim0(_cast(b, plan.cast), group_b, async_op=True)
-    else:
-        b_full, wait_b = prefetch.gather(b, group_b, plan.cast)
+    b_full, wait_b = _gather_b(plan, b, None if prefetch is None else prefetch.gather)
     wait_a.wait()
     wait_b.wait()
     bias = bias.to(b_full.dtype) if bias is not None and dist.get_rank(group_c) == 0 else None
@@ -132,16 +129,19 @@ def _forward(plan: MatmulPlan, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
 def _backward(plan: MatmulPlan, grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, needs: tuple[bool, bool, bool]):
     """``(dA, dB, dbias)`` in the layouts of A, B and the bias (None where ``needs`` is false),
     from A and B as :func:`_forward` kept them. Gradients come in the dtype products run in."""
-    group_a, group_b, group_c = plan.groups
-    a, b = _cast(a, plan.cast), _cast(b, plan.cast)  # a no-op unless B is kept as the parameter
+    group_a, _, group_c = plan.groups
+    a = _cast(a, plan.cast)
     # dA's first operand is dC in forms "ab" and "abt": its gather can be fused into dA's product
     form_a, (first_a, _) = _BACKWARD[plan.form][0]
     fuse_gather = needs[0] and first_a == 2 and plan.fused(form_a, 2)
     dc_full, wait_c = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(grad_c, group_c, async_op=True)
     waits = [comm.DONE, comm.DONE]
-    if not plan.save_gathered:
+    if plan.save_gathered:
+        b = _cast(b, plan.cast)  # a no-op unless B is kept as the parameter
+    else:
         a, waits[0] = comm.all_gather_dim0(a, group_a, async_op=True)
-        b, waits[1] = comm.all_gather_dim0(b, group_b, async_op=True)
+        prefetch = backward_prefetch() if plan.b_is_parameter else None
+        b, waits[1] = _gather_b(plan, b, None if prefetch is None else prefetch.regather)
     wait_c.wait()
     operands = [a, b, None if fuse_gather else dc_full.to(a.dtype)]
     # the reduce-scatter of gradient k sends (|group_k| - 1)/|group_k| of its product: run the
@@ -165,6 +165,14 @@ def _backward(plan: MatmulPlan, grad_c: torch.Tensor, a: torch.Tensor, b: torch.
     for done in scatters:
         done.wait()
     return grads[0], grads[1], grad_bias
+
+
+def _gather_b(plan: MatmulPlan, b: torch.Tensor, prefetched) -> tuple:
+    """B cast to the product's dtype and all-gathered over its group, asynchronously: through
+    ``prefetched`` (a :class:`WeightPrefetch`'s ``gather`` or ``regather``) when given."""
+    if prefetched is None:
+        return comm.all_gather_dim0(_cast(b, plan.cast), plan.groups[1], async_op=True)
+    return prefetched(b, plan.groups[1], plan.cast)
 
 
 def _product_scatter(plan: MatmulPlan, form: str, a, b, bias, k: int, async_op: bool = False):
@@ -305,7 +313,7 @@ def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, option
     ``save_gathered=False`` re-gathers A and B in backward instead of keeping them (less memory,
     more communication); ``async_tp`` runs the gathers and scatters next to the product as
     collective matmuls. Inside an active :class:`WeightPrefetch`, a parameter B is gathered one
-    product ahead.
+    product ahead (and, with ``save_gathered=False``, re-gathered one product ahead in backward).
     """
     return _matmul("ab", a, b, directions, grid, options)
 

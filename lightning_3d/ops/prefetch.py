@@ -1,4 +1,4 @@
-"""WeightPrefetch: each weight's all-gather started one 3-D product ahead."""
+"""WeightPrefetch: each weight's all-gather started one 3-D product ahead, in forward and in backward."""
 
 from __future__ import annotations
 
@@ -7,36 +7,77 @@ import torch
 from .. import comm
 
 
+class _GatherOrder:
+    """The order one pass gathers weights in, recorded the first time, and the gather started
+    for the weight that comes next."""
+
+    def __init__(self):
+        self.order: list[tuple[torch.Tensor, object]] = []
+        self.position: dict[tuple, int] = {}
+        self.ahead: tuple | None = None  # (key, version, dtype, gathered, handle)
+
+    def drop(self) -> None:
+        if self.ahead is not None:  # unused: let the stream finish with its buffer first
+            self.ahead[4].wait()
+            self.ahead = None
+
+    def gather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
+        key = _storage_key(w)
+        ahead = self.ahead
+        if ahead is not None and ahead[:3] == (key, w._version, dtype):
+            self.ahead = None
+            gathered = ahead[3:]
+        else:
+            self.drop()
+            gathered = comm.all_gather_dim0(w.to(dtype or w.dtype), group, async_op=True)
+        if key not in self.position:
+            self.position[key] = len(self.order)
+            self.order.append((w, group))
+        following = self.position[key] + 1
+        if following < len(self.order):
+            w_next, group_next = self.order[following]
+            gathered_next = comm.all_gather_dim0(w_next.to(dtype or w_next.dtype), group_next, async_op=True)
+            self.ahead = (_storage_key(w_next), w_next._version, dtype) + gathered_next
+        return gathered
+
+
 class WeightPrefetch:
     """While active, starts the all-gather of the next weight as soon as the current one is gathered.
 
     Use it as a context manager around forward passes (``with prefetch: loss = model(x)``), or
-    :meth:`attach` it to a model to enter it around every forward. The first forward
-    records the order in which the 3-D products gather their operand B when it is a parameter
-    (or a view of one); from then on, gathering weight k also starts the gather of weight k+1,
-    so that its communication hides behind product k instead of delaying product k+1. A
-    prefetched weight is used only while it is the same version of the same storage in the same
+    :meth:`attach` it to a model to enter it around every forward. The first forward records the
+    order in which the 3-D products gather their operand B when it is a parameter (or a view of
+    one); from then on, gathering weight k also starts the gather of weight k+1, so that its
+    communication hides behind product k instead of delaying product k+1. Products that re-gather
+    their weight in backward (``save_gathered=False``) do the same there, in backward's own order,
+    as FSDP prefetches its backward all-gathers: the backward after a forward is served by the
+    prefetch that was active last (for the weights its forwards gathered), until another forward
+    enters one.
+
+    A prefetched weight is used only while it is the same version of the same storage in the same
     dtype (an in-place change in between, as an optimizer step makes, discards it; a change
-    through ``.data`` bumps no version and would go unseen). One is held at a time, costing one
-    gathered weight of memory; results are bit-identical.
+    through ``.data`` bumps no version and would go unseen), so results are bit-identical. One is
+    held at a time in each pass, costing one gathered weight of memory.
     """
 
     def __init__(self):
-        self._order: list[tuple[torch.Tensor, object]] = []
-        self._position: dict[tuple, int] = {}
-        self._ahead: tuple | None = None  # (key, version, dtype, gathered, handle)
+        self._forward, self._backward = _GatherOrder(), _GatherOrder()
         self._outer: list[WeightPrefetch | None] = []
 
     def __enter__(self) -> WeightPrefetch:
-        global _active_prefetch
+        global _active_prefetch, _backward_prefetch
         self._outer.append(_active_prefetch)
         _active_prefetch = self
+        if _backward_prefetch is not None:  # a backward left unfinished: free what it fetched ahead
+            _backward_prefetch._backward.drop()
+        _backward_prefetch = None
         return self
 
     def __exit__(self, *exc) -> None:
-        global _active_prefetch
+        global _active_prefetch, _backward_prefetch
         _active_prefetch = self._outer.pop()
-        self._drop()
+        self._forward.drop()
+        _backward_prefetch = self
 
     def attach(self, module: torch.nn.Module) -> WeightPrefetch:
         """Be active during every forward of ``module`` (forward hooks); returns ``self``."""
@@ -50,33 +91,20 @@ class WeightPrefetch:
         module.register_forward_hook(leave, always_call=True)
         return self
 
-    def _drop(self) -> None:
-        if self._ahead is not None:  # unused: let the stream finish with its buffer first
-            self._ahead[4].wait()
-            self._ahead = None
-
     def gather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
-        """``all_gather_dim0(w.to(dtype), group, async_op=True)``, served from the prefetch when it matches."""
-        key = _storage_key(w)
-        ahead = self._ahead
-        if ahead is not None and ahead[:3] == (key, w._version, dtype):
-            self._ahead = None
-            gathered = ahead[3:]
-        else:
-            self._drop()
-            gathered = comm.all_gather_dim0(w.to(dtype or w.dtype), group, async_op=True)
-        if key not in self._position:
-            self._position[key] = len(self._order)
-            self._order.append((w, group))
-        following = self._position[key] + 1
-        if following < len(self._order):
-            w_next, group_next = self._order[following]
-            gathered_next = comm.all_gather_dim0(w_next.to(dtype or w_next.dtype), group_next, async_op=True)
-            self._ahead = (_storage_key(w_next), w_next._version, dtype) + gathered_next
-        return gathered
+        """``all_gather_dim0(w.to(dtype), group, async_op=True)`` in forward, served from the prefetch when it matches."""
+        return self._forward.gather(w, group, dtype)
+
+    def regather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
+        """The same in backward, for a product that did not keep its gathered weight. A weight
+        this prefetch's forward did not gather (another model's) is gathered plainly."""
+        if _storage_key(w) not in self._forward.position:
+            return comm.all_gather_dim0(w.to(dtype or w.dtype), group, async_op=True)
+        return self._backward.gather(w, group, dtype)
 
 
 _active_prefetch: WeightPrefetch | None = None
+_backward_prefetch: WeightPrefetch | None = None
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -86,3 +114,9 @@ def _storage_key(t: torch.Tensor) -> tuple:
 def active_prefetch() -> WeightPrefetch | None:
     """The innermost active :class:`WeightPrefetch`, or None."""
     return _active_prefetch
+
+
+def backward_prefetch() -> WeightPrefetch | None:
+    """The :class:`WeightPrefetch` that serves backward's re-gathers: the one whose forward ended
+    last, unless a forward is running."""
+    return _backward_prefetch
