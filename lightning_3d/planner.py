@@ -326,7 +326,8 @@ def _product(c: _Collectives, tokens: float, r: str, fa: str, n: int, k: int, ra
     t_mm = 2 * a_full * k / sizes[r] / rate
     ag_a, ag_w, rs_c = c.seconds("all_gather", r, a_full), c.seconds("all_gather", "x", w_full), c.seconds("reduce_scatter", fa, c_full)
     ag_dc, rs_da, rs_dw = c.seconds("all_gather", fa, c_full), c.seconds("reduce_scatter", r, a_full), c.seconds("reduce_scatter", "x", w_full)
-    regather = 0.0 if save_gathered else max(ag_a, ag_w)
+    # backward re-gathers A where it did not keep it; W's re-gather is prefetched behind the previous product's backward
+    regather = 0.0 if save_gathered else max(ag_a, max(0.0, ag_w - 2 * t_mm))
     comm = ag_a + ag_w + rs_c + ag_dc + rs_da + rs_dw + (0.0 if save_gathered else ag_a + ag_w)
     # forward: the gather of A is fused with the product where r > 1, else the scatter of C
     fused_ag = async_tp and sizes[r] > 1

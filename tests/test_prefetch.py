@@ -54,8 +54,9 @@ def test_prefetch_is_exact_and_never_stale():
 
 def backward_prefetch_job(shape):
     """Per step: whether the gradients equal those of the same stack without prefetch, and
-    whether layer 1's weight had been re-gathered ahead when its output's gradient arrived (by
-    layer 2's backward). Steps update the weights in place in between, as an optimizer does; the
+    whether a weight was fetched ahead when the gradients of the stack's output (layer 3's
+    weight, kept from forward) and of layer 1's output (layer 1's, re-gathered ahead by layer 2's
+    backward) arrived. Steps update the weights in place in between, as an optimizer does; the
     stack without prefetch runs its backward after the other's forward, and none of its weights
     may enter the recorded order."""
     grid = harness.grid(shape)
@@ -67,7 +68,8 @@ def backward_prefetch_job(shape):
     def watch(mod, args, out) -> None:
         out.register_hook(lambda g: fetched_ahead.append(prefetch._backward.ahead is not None))
 
-    fetched[1].register_forward_hook(watch)
+    for layer in (3, 1):
+        fetched[layer].register_forward_hook(watch)
     outs = []
     for step in range(3):
         torch.manual_seed(10 + step)
@@ -91,4 +93,4 @@ def test_backward_regathers_are_prefetched_and_exact():
             assert recorded == 4, (shape, recorded)
             # the first backward records the order; the later ones fetch ahead (a weight gathered
             # over one rank, px = 1, is its own gather and still follows the order)
-            assert ahead == [False, True, True], (shape, ahead)
+            assert ahead == [False, False, True, True, True, True], (shape, ahead)

@@ -40,6 +40,12 @@ class _GatherOrder:
             self.ahead = (_storage_key(w_next), w_next._version, dtype) + gathered_next
         return gathered
 
+    def hold_if_first(self, w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> None:
+        """Keep ``gathered`` (``w`` gathered in ``dtype``, with its handle) as fetched ahead when
+        ``w`` is the first weight of this pass's order and nothing else is."""
+        if self.ahead is None and self.order and _storage_key(w) == _storage_key(self.order[0][0]):
+            self.ahead = (_storage_key(w), w._version, dtype) + tuple(gathered)
+
 
 class WeightPrefetch:
     """While active, starts the all-gather of the next weight as soon as the current one is gathered.
@@ -57,7 +63,8 @@ class WeightPrefetch:
     A prefetched weight is used only while it is the same version of the same storage in the same
     dtype (an in-place change in between, as an optimizer step makes, discards it; a change
     through ``.data`` bumps no version and would go unseen), so results are bit-identical. One is
-    held at a time in each pass, costing one gathered weight of memory.
+    held at a time in each pass, costing one gathered weight of memory; between forward and
+    backward, the one backward needs first.
     """
 
     def __init__(self):
@@ -92,8 +99,12 @@ class WeightPrefetch:
         return self
 
     def gather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
-        """``all_gather_dim0(w.to(dtype), group, async_op=True)`` in forward, served from the prefetch when it matches."""
-        return self._forward.gather(w, group, dtype)
+        """``all_gather_dim0(w.to(dtype), group, async_op=True)`` in forward, served from the prefetch
+        when it matches. The weight backward re-gathers first (the last product's, the LM head's)
+        is kept from forward instead, as FSDP keeps its root's parameters gathered."""
+        gathered = self._forward.gather(w, group, dtype)
+        self._backward.hold_if_first(w, dtype, gathered)
+        return gathered
 
     def regather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
         """The same in backward, for a product that did not keep its gathered weight. A weight
