@@ -1,5 +1,6 @@
 """GPT3D equals DenseGPT on every grid (float64): logits, loss, every parameter gradient; generation, padding, checkpointing, import."""
 
+import itertools
 import pytest
 import torch
 import torch.distributed as dist
@@ -351,10 +352,11 @@ def test_dense_state_dict_roundtrip_across_grids():
 
 
 def fused_linear_job(grid):
-    """FusedLinear3D equals nn.Linear(in, groups·out) chunked into groups, for both input layouts."""
+    """FusedLinear3D equals nn.Linear(in, groups·out) chunked into groups, for both input layouts,
+    its output chunked and its ``forward_groups`` (on one rank: one contiguous output per group)."""
     errs = {}
     n, k, groups = 8, 12, 3
-    for layout, out_layout in (("z", "y"), ("y", "z")):
+    for (layout, out_layout), split in itertools.product((("z", "y"), ("y", "z")), ("chunk", "groups")):
         torch.manual_seed(14)
         dense = torch.nn.Linear(n, groups * k).to(F64)
         mod = FusedLinear3D(n, k, groups, input_layout=layout, grid=grid, dtype=F64)
@@ -365,12 +367,15 @@ def fused_linear_job(grid):
         w = torch.randn_like(y_ref)
         (y_ref * w).sum().backward()
         x = local(x_full.detach(), layout, grid).clone().requires_grad_()
-        y = torch.stack(mod(x).chunk(groups, -1))
+        outputs = mod(x).chunk(groups, -1) if split == "chunk" else mod.forward_groups(x)
+        if split == "groups" and grid.cube_size == 1:
+            errs["groups_contiguous"] = float(not all(out.is_contiguous() for out in outputs))
+        y = torch.stack(outputs)
         (y * torch.stack([local(wg, out_layout, grid) for wg in w])).sum().backward()
-        errs[f"{layout}_out"] = rel(y.detach(), torch.stack([local(yg, out_layout, grid) for yg in y_ref.detach()]))
-        errs[f"{layout}_dx"] = rel(x.grad, local(x_full.grad, layout, grid))
+        errs[f"{layout}_{split}_out"] = rel(y.detach(), torch.stack([local(yg, out_layout, grid) for yg in y_ref.detach()]))
+        errs[f"{layout}_{split}_dx"] = rel(x.grad, local(x_full.grad, layout, grid))
         grads = grads_as_dense(mod)
-        errs.update({f"{layout}_d{name}": rel(grads[name], p.grad) for name, p in dense.named_parameters()})
+        errs.update({f"{layout}_{split}_d{name}": rel(grads[name], p.grad) for name, p in dense.named_parameters()})
     return errs
 
 

@@ -72,15 +72,40 @@ class FusedLinear3D(Module3D):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
-        directions = (self.input_layout.row_axis, "x", self.input_layout.feature_axis)
+        directions = self._directions
         px = self.grid.size("x")
-        bias = None
-        if self.bias is not None:  # in the product's column order [px, groups, out/(px·pr)], added inside the GEMM
-            bias = use_replicated(self.bias, self.grid, grad_summed_over=directions[2]).unflatten(-1, (px, -1)).transpose(0, 1).flatten()
+        bias = self._bias()
+        if bias is not None:  # in the product's column order [px, groups, out/(px·pr)], added inside the GEMM
+            bias = bias.unflatten(-1, (px, -1)).transpose(0, 1).flatten()
         y = matmul_abt(x, self.weight.flatten(0, 1), directions, self.grid, self.options, bias)
         # The x all-gather stacked the weight blocks as [px, groups, out/(px·pr)]: put the groups
         # outermost (a view when px = 1, one copy otherwise).
         return y.unflatten(-1, (px, self.groups, -1)).transpose(-3, -2).flatten(-3)
+
+    def forward_groups(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``self(x).chunk(groups, -1)``: each group's output block ``[..., out/pr]``.
+
+        On a one-rank cube each group is a product of its own (its rows of the weight), so each
+        output is contiguous, and backward takes each group's gradient as it comes instead of
+        concatenating them into the packed layout first (attention's q, k and v gradients come
+        from separate kernels). On larger cubes, the chunks of one 3-D product. It runs outside
+        the module's call: forward hooks registered on the layer do not see it."""
+        if self.grid.cube_size > 1:
+            return self(x).chunk(self.groups, -1)
+        check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
+        bias = self._bias()
+        return tuple(matmul_abt(x, self.weight[g], self._directions, self.grid, self.options, None if bias is None else bias[g])
+                     for g in range(self.groups))
+
+    @property
+    def _directions(self) -> tuple[str, str, str]:
+        return (self.input_layout.row_axis, "x", self.input_layout.feature_axis)
+
+    def _bias(self) -> torch.Tensor | None:
+        """The bias ``[groups, out/pr]`` for this forward, its gradient summed over its replicas."""
+        if self.bias is None:
+            return None
+        return use_replicated(self.bias, self.grid, grad_summed_over=self._directions[2])
 
     def replicated_parameters(self) -> list[tuple[nn.Parameter, str]]:
         """The bias, whose gradient the product's reduce-scatter over the feature axis already sums."""
