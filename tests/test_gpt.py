@@ -353,7 +353,7 @@ def test_dense_state_dict_roundtrip_across_grids():
 
 def fused_linear_job(grid):
     """FusedLinear3D equals nn.Linear(in, groups·out) chunked into groups, for both input layouts,
-    its output chunked and its ``forward_groups`` (on one rank: one contiguous output per group)."""
+    its output chunked and cut by ``forward_groups`` (on one rank: one contiguous output per run of groups)."""
     errs = {}
     n, k, groups = 8, 12, 3
     for (layout, out_layout), split in itertools.product((("z", "y"), ("y", "z")), ("chunk", "groups")):
@@ -367,9 +367,14 @@ def fused_linear_job(grid):
         w = torch.randn_like(y_ref)
         (y_ref * w).sum().backward()
         x = local(x_full.detach(), layout, grid).clone().requires_grad_()
-        outputs = mod(x).chunk(groups, -1) if split == "chunk" else mod.forward_groups(x)
-        if split == "groups" and grid.cube_size == 1:
-            errs["groups_contiguous"] = float(not all(out.is_contiguous() for out in outputs))
+        if split == "chunk":
+            outputs = mod(x).chunk(groups, -1)
+        else:  # runs of 2 groups and 1: the first cut in two
+            errs["runs_checked"] = float("sum to 2, not to the 3 groups" not in value_error(lambda: mod.forward_groups(x, (1, 1))))
+            first, last = mod.forward_groups(x, (2, 1))
+            if grid.cube_size == 1:
+                errs["runs_contiguous"] = float(not (first.is_contiguous() and last.is_contiguous()))
+            outputs = (*first.chunk(2, -1), last)
         y = torch.stack(outputs)
         (y * torch.stack([local(wg, out_layout, grid) for wg in w])).sum().backward()
         errs[f"{layout}_{split}_out"] = rel(y.detach(), torch.stack([local(yg, out_layout, grid) for yg in y_ref.detach()]))

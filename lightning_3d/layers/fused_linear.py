@@ -15,7 +15,9 @@ dense export, load and resharding all follow from the spec with no permutation.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -82,20 +84,25 @@ class FusedLinear3D(Module3D):
         # outermost (a view when px = 1, one copy otherwise).
         return y.unflatten(-1, (px, self.groups, -1)).transpose(-3, -2).flatten(-3)
 
-    def forward_groups(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``self(x).chunk(groups, -1)``: each group's output block ``[..., out/pr]``.
+    def forward_groups(self, x: torch.Tensor, runs: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """The output cut into runs of ``runs[i]`` consecutive groups (summing to ``groups``), each
+        ``[..., runs[i]·out/pr]``: ``self(x).split(...)``.
 
-        On a one-rank cube each group is a product of its own (its rows of the weight), so each
-        output is contiguous, and backward takes each group's gradient as it comes instead of
+        On a one-rank cube each run is a product of its own (its rows of the weight), so each
+        output is contiguous, and backward takes each run's gradient as it comes instead of
         concatenating them into the packed layout first (attention's q, k and v gradients come
-        from separate kernels). On larger cubes, the chunks of one 3-D product. It runs outside
+        from separate kernels). On larger cubes, the pieces of one 3-D product. It runs outside
         the module's call: forward hooks registered on the layer do not see it."""
+        if sum(runs) != self.groups:
+            raise ValueError(f"runs {list(runs)} sum to {sum(runs)}, not to the {self.groups} groups of {self.extra_repr()}")
         if self.grid.cube_size > 1:
-            return self(x).chunk(self.groups, -1)
+            y = self(x)
+            return y.split([n * y.shape[-1] // self.groups for n in runs], -1)
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
-        bias = self._bias()
-        return tuple(matmul_abt(x, self.weight[g], self._directions, self.grid, self.options, None if bias is None else bias[g])
-                     for g in range(self.groups))
+        bias, starts = self._bias(), itertools.accumulate(runs, initial=0)
+        return tuple(matmul_abt(x, self.weight[start:start + n].flatten(0, 1), self._directions, self.grid, self.options,
+                                None if bias is None else bias[start:start + n].flatten())
+                     for start, n in zip(starts, runs))
 
     @property
     def _directions(self) -> tuple[str, str, str]:

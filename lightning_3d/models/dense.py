@@ -52,15 +52,19 @@ def norm(config: GPTConfig, **factory) -> nn.Module:
     return nn.RMSNorm(config.n_embd, eps=config.norm_eps, **factory)
 
 
-def output_groups(linear: nn.Module, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, ...]:
-    """The ``groups`` chunks of a packed projection's output ``linear(x)`` (query slots, k, v).
+def output_groups(linear: nn.Module, x: torch.Tensor, runs: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """A packed projection's output ``linear(x)`` cut into runs of ``runs[i]`` of its ``sum(runs)``
+    equal groups (query slots, k, v).
 
     A layer with ``forward_groups`` (:class:`~lightning_3d.layers.FusedLinear3D`) makes them
-    itself: on one rank, one product per group, whose backward takes each group's gradient as it
-    comes, where the chunks of one output would have their gradients concatenated first.
+    itself: on one rank, one product per run, whose backward takes each run's gradient as it
+    comes, where the pieces of one output would have their gradients concatenated first.
     """
     forward_groups = getattr(linear, "forward_groups", None)
-    return forward_groups(x) if forward_groups is not None else linear(x).chunk(groups, -1)
+    if forward_groups is not None:
+        return forward_groups(x, runs)
+    y = linear(x)
+    return y.split([n * y.shape[-1] // sum(runs) for n in runs], -1)
 
 
 class DenseAttention(nn.Module):
@@ -74,10 +78,10 @@ class DenseAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         r = self.queries_per_kv
-        slots = output_groups(self.c_attn, x, r + 2)  # each [b, s, kv_heads·d]: r query slots, k, v
+        q, k, v = output_groups(self.c_attn, x, (r, 1, 1))  # [b, s, r·kv_heads·d]: r query slots; k, v
         # query head (t, g) of slot g, key/value head t → order t·r + g, the order causal_attention pairs
-        q = slots[0] if r == 1 else torch.stack([s.unflatten(-1, (-1, self.head_dim)) for s in slots[:r]], -2).flatten(-3)
-        return self.resid_dropout(self.c_proj(causal_attention(q, slots[r], slots[r + 1], self.head_dim, rope)))
+        q = q.unflatten(-1, (r, -1, self.head_dim)).transpose(-3, -2).flatten(-3)
+        return self.resid_dropout(self.c_proj(causal_attention(q, k, v, self.head_dim, rope)))
 
 
 class DenseMLP(nn.Module):
