@@ -11,7 +11,8 @@ then charges only the communication the implementation cannot hide:
   all-gather is prefetched during the previous product (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`)
   and costs only what that product does not cover (all of it for the first product of a step).
 - 3-D backward: the gradient all-gather; the larger of the two reduce-scatters hides behind the
-  other product, the smaller is exposed; the re-gathers when gathered operands are not saved.
+  other product, the smaller is exposed; when gathered operands are not saved, the activation's
+  re-gather, and the weight's as far as the previous product's backward does not cover it (prefetched).
 - With ``async_tp`` (collective matmuls, :mod:`~lightning_3d.ops.async_tp`): a fused gather or
   scatter exposes only its copies' excess over the product's other blocks and a fixed cost per
   product (barriers, skew); dC's gather fuses into dA's product, or dA's scatter into its own.
