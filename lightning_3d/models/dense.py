@@ -11,7 +11,7 @@ groups with their key/value heads. With ``tie_embeddings`` the head's weight is 
 
 Every module works on whatever part of the activation it is given, so the same code runs
 parallelized: attention views its input as ``-1`` heads of ``head_dim`` (the heads of a rank), the
-packed projections' outputs are split with ``chunk``, and positions, the head and the loss are
+packed projections' outputs are split into their groups (``output_groups``, ``chunk``), and positions, the head and the loss are
 modules a plan can replace.
 """
 
