@@ -29,22 +29,21 @@ class _GatherOrder:
             gathered = ahead[3:]
         else:
             self.drop()
-            gathered = comm.all_gather_dim0(w.to(dtype or w.dtype), group, async_op=True)
+            gathered = _start_gather(w, group, dtype)
         if key not in self.position:
             self.position[key] = len(self.order)
             self.order.append((w, group))
         following = self.position[key] + 1
         if following < len(self.order):
             w_next, group_next = self.order[following]
-            gathered_next = comm.all_gather_dim0(w_next.to(dtype or w_next.dtype), group_next, async_op=True)
-            self.ahead = (_storage_key(w_next), w_next._version, dtype) + gathered_next
+            self.ahead = _fetched_ahead(w_next, dtype, _start_gather(w_next, group_next, dtype))
         return gathered
 
     def hold_if_first(self, w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> None:
         """Keep ``gathered`` (``w`` gathered in ``dtype``, with its handle) as fetched ahead when
         ``w`` is the first weight of this pass's order and nothing else is."""
         if self.ahead is None and self.order and _storage_key(w) == _storage_key(self.order[0][0]):
-            self.ahead = (_storage_key(w), w._version, dtype) + tuple(gathered)
+            self.ahead = _fetched_ahead(w, dtype, gathered)
 
 
 class WeightPrefetch:
@@ -110,12 +109,22 @@ class WeightPrefetch:
         """The same in backward, for a product that did not keep its gathered weight. A weight
         this prefetch's forward did not gather (another model's) is gathered plainly."""
         if _storage_key(w) not in self._forward.position:
-            return comm.all_gather_dim0(w.to(dtype or w.dtype), group, async_op=True)
+            return _start_gather(w, group, dtype)
         return self._backward.gather(w, group, dtype)
 
 
 _active_prefetch: WeightPrefetch | None = None
 _backward_prefetch: WeightPrefetch | None = None
+
+
+def _start_gather(w: torch.Tensor, group, dtype: torch.dtype | None) -> tuple:
+    """``(gathered, handle)``: ``w`` in ``dtype`` all-gathered over ``group``, asynchronously."""
+    return comm.all_gather_dim0(w.to(dtype or w.dtype), group, async_op=True)
+
+
+def _fetched_ahead(w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> tuple:
+    """What a pass holds of a weight fetched ahead: ``(key, version, dtype, gathered, handle)``."""
+    return (_storage_key(w), w._version, dtype) + tuple(gathered)
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
