@@ -10,12 +10,13 @@ whole job: forward of embedding, blocks, LM head and loss under bf16 mixed preci
 master weights, backward, the gradient reduction over data parallelism, clipping by the global
 gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defaults`` per GPU count):
 
-- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather]``: :class:`~lightning_3d.models.GPT3D` through the
+- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather] [aheadN]``: :class:`~lightning_3d.models.GPT3D` through the
   steps ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
   autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
   ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block and the loss's local passes compiled),
   ``nocheck`` = ``check_inputs=False`` (no token-range check), ``regather`` = ``save_gathered=False``
-  (gathered operands re-gathered in backward, not kept); ``3d auto [async] [compile]``: the
+  (gathered operands re-gathered in backward, not kept), ``aheadN`` = ``WeightPrefetch(depth=N)``
+  (N weights gathered ahead, not one); ``3d auto [async] [compile]``: the
   grid ``grid="auto"`` picks from the model's shape.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
   sequence parallelism, each block and the loss compiled, async TP (``peers_job.py``: torchtitan's recipe).
@@ -113,6 +114,7 @@ class Method:
     compile: bool = False
     check_inputs: bool = True  # 3d
     save_gathered: bool = True  # 3d
+    prefetch_depth: int = 1  # 3d
     checkpointing: bool = False
     half_grads: bool = False  # the dp gradient reduction in bf16 (fp16 on CPU)
 
@@ -135,6 +137,8 @@ class Method:
                     fields["dp"], fields["tp"] = dims
             elif w.startswith("dp"):
                 fields["dp"] = int(w[2:])
+            elif w.startswith("ahead"):
+                fields["prefetch_depth"] = int(w[5:])
             elif w not in ("auto", "async", "compile", "nocheck", "regather", "ckpt", "bf16grad"):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
@@ -150,7 +154,8 @@ class Method:
         if self.kind == "3d":
             where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
             return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
-                    + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather") + common)
+                    + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
+                    + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != 1 else "") + common)
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
         return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "") + common
 
@@ -234,7 +239,7 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
     model = GPT3D(config, grid, device=run.device, options=options)
     model.load_dense_state_dict(dense)
     if grid.shape[0] > 1:
-        WeightPrefetch().attach(model)
+        WeightPrefetch(method.prefetch_depth).attach(model)
     params = list(model.parameters())
     if method.dp > 1:
         model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device], process_group=grid.group("dp"))

@@ -3,6 +3,7 @@ weight changed in place after its prefetch was started is gathered again (never 
 With ``save_gathered=False`` it re-gathers each weight one product ahead in backward too, with
 bit-identical gradients."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -25,12 +26,16 @@ def _double(t):
     t.mul_(2.0)  # in place, as an optimizer step does: bumps the version the prefetch checks
 
 
-def prefetch_job(shape):
+def prefetch_job(shape, depth):
+    """Per step: whether the output equals the stack's without prefetch; and how many weights
+    were in flight once the first layer had run."""
     grid = harness.grid(shape)
     torch.manual_seed(1)
     x = local(torch.randn(4, 3, N, dtype=torch.float64), "z", grid)
     plain, fetched = _stack(grid), _stack(grid)
-    prefetch = WeightPrefetch().attach(fetched)
+    prefetch = WeightPrefetch(depth).attach(fetched)
+    in_flight = []
+    fetched[0].register_forward_hook(lambda *_: in_flight.append(len(prefetch._forward.ahead)))
     outs = []
     for step in range(3):
         if step == 2:  # change layer 2's weight in place after layer 1 started its prefetch
@@ -42,17 +47,24 @@ def prefetch_job(shape):
         if step == 2:
             handle.remove()
         outs.append(bool(torch.equal(y_plain, y_fetched)))
-    return outs, len(prefetch._forward.order)
+    return outs, in_flight, len(prefetch._forward.order)
 
 
 def test_prefetch_is_exact_and_never_stale():
-    for shape in [(2, 1, 1), (2, 2, 1), (1, 2, 2)]:
-        for outs, recorded in harness.run(4, prefetch_job, shape):
-            assert outs == [True, True, True], (shape, outs)
+    for shape, depth in [((2, 1, 1), 1), ((2, 2, 1), 1), ((1, 2, 2), 1), ((2, 1, 1), 2), ((2, 2, 1), 3)]:
+        for outs, in_flight, recorded in harness.run(4, prefetch_job, shape, depth):
+            assert outs == [True, True, True], (shape, depth, outs)
+            assert in_flight == [0, depth, depth], (shape, depth, in_flight)  # the first forward records
             assert recorded == 4
 
 
-def backward_prefetch_job(shape):
+def test_prefetch_depth_is_checked():
+    for depth in (0, True, 1.5):
+        with pytest.raises(ValueError, match="depth is how many weights are gathered ahead"):
+            WeightPrefetch(depth)
+
+
+def backward_prefetch_job(shape, depth):
     """Per step: whether the gradients equal those of the same stack without prefetch, and
     whether a weight was fetched ahead when the gradients of the stack's output (layer 3's
     weight, kept from forward) and of layer 1's output (layer 1's, re-gathered ahead by layer 2's
@@ -62,11 +74,11 @@ def backward_prefetch_job(shape):
     grid = harness.grid(shape)
     options = RuntimeOptions(save_gathered=False)
     plain, fetched = _stack(grid, options), _stack(grid, options)
-    prefetch = WeightPrefetch().attach(fetched)
+    prefetch = WeightPrefetch(depth).attach(fetched)
     fetched_ahead = []
 
     def watch(mod, args, out) -> None:
-        out.register_hook(lambda g: fetched_ahead.append(prefetch._backward.ahead is not None))
+        out.register_hook(lambda g: fetched_ahead.append(bool(prefetch._backward.ahead)))
 
     for layer in (3, 1):
         fetched[layer].register_forward_hook(watch)
@@ -87,9 +99,9 @@ def backward_prefetch_job(shape):
 
 
 def test_backward_regathers_are_prefetched_and_exact():
-    for shape in [(2, 1, 1), (2, 2, 1), (1, 2, 2)]:
-        for outs, ahead, recorded in harness.run(4, backward_prefetch_job, shape):
-            assert outs == [True, True, True], (shape, outs)
+    for shape, depth in [((2, 1, 1), 1), ((2, 2, 1), 1), ((1, 2, 2), 1), ((2, 2, 1), 2)]:
+        for outs, ahead, recorded in harness.run(4, backward_prefetch_job, shape, depth):
+            assert outs == [True, True, True], (shape, depth, outs)
             assert recorded == 4, (shape, recorded)
             # the first backward records the order; the later ones fetch ahead (a weight gathered
             # over one rank, px = 1, is its own gather and still follows the order)

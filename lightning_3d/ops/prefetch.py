@@ -1,4 +1,4 @@
-"""WeightPrefetch: each weight's all-gather started one 3-D product ahead, in forward and in backward."""
+"""WeightPrefetch: each weight's all-gather started one (or ``depth``) 3-D products ahead, in forward and in backward."""
 
 from __future__ import annotations
 
@@ -8,42 +8,42 @@ from .. import comm
 
 
 class _GatherOrder:
-    """The order one pass gathers weights in, recorded the first time, and the gather started
-    for the weight that comes next."""
+    """The order one pass gathers weights in, recorded the first time, and the gathers started
+    for the ``depth`` weights that come next."""
 
-    def __init__(self):
+    def __init__(self, depth: int):
+        self.depth = depth
         self.order: list[tuple[torch.Tensor, object]] = []
         self.position: dict[tuple, int] = {}
-        self.ahead: tuple | None = None  # (key, version, dtype, gathered, handle)
+        self.ahead: list[tuple] = []  # (position, key, version, dtype, gathered, handle), in order
 
     def drop(self) -> None:
-        if self.ahead is not None:  # unused: let the stream finish with its buffer first
-            self.ahead[4].wait()
-            self.ahead = None
+        for entry in self.ahead:  # unused: let the stream finish with its buffer first
+            entry[5].wait()
+        self.ahead = []
 
     def gather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
         key = _storage_key(w)
-        ahead = self.ahead
-        if ahead is not None and ahead[:3] == (key, w._version, dtype):
-            self.ahead = None
-            gathered = ahead[3:]
+        if self.ahead and self.ahead[0][1:4] == (key, w._version, dtype):
+            gathered = self.ahead.pop(0)[4:]
         else:
             self.drop()
             gathered = _start_gather(w, group, dtype)
         if key not in self.position:
             self.position[key] = len(self.order)
             self.order.append((w, group))
-        following = self.position[key] + 1
-        if following < len(self.order):
-            w_next, group_next = self.order[following]
-            self.ahead = _fetched_ahead(w_next, dtype, _start_gather(w_next, group_next, dtype))
+        started = {entry[0] for entry in self.ahead}
+        for following in range(self.position[key] + 1, min(self.position[key] + 1 + self.depth, len(self.order))):
+            if following not in started:
+                w_next, group_next = self.order[following]
+                self.ahead.append(_fetched_ahead(following, w_next, dtype, _start_gather(w_next, group_next, dtype)))
         return gathered
 
     def hold_if_first(self, w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> None:
         """Keep ``gathered`` (``w`` gathered in ``dtype``, with its handle) as fetched ahead when
         ``w`` is the first weight of this pass's order and nothing else is."""
-        if self.ahead is None and self.order and _storage_key(w) == _storage_key(self.order[0][0]):
-            self.ahead = _fetched_ahead(w, dtype, gathered)
+        if not self.ahead and self.order and _storage_key(w) == _storage_key(self.order[0][0]):
+            self.ahead.append(_fetched_ahead(0, w, dtype, gathered))
 
 
 class WeightPrefetch:
@@ -52,8 +52,9 @@ class WeightPrefetch:
     Use it as a context manager around forward passes (``with prefetch: loss = model(x)``), or
     :meth:`attach` it to a model to enter it around every forward. The first forward records the
     order in which the 3-D products gather their operand B when it is a parameter (or a view of
-    one); from then on, gathering weight k also starts the gather of weight k+1, so that its
-    communication hides behind product k instead of delaying product k+1. Products that re-gather
+    one); from then on, gathering weight k also starts the gathers of weights k+1 … k+``depth``
+    not yet started, so that their communication hides behind product k (and, for ``depth`` > 1,
+    the ones after it) instead of delaying the products that need them. Products that re-gather
     their weight in backward (``save_gathered=False``) do the same there, in backward's own order,
     as FSDP prefetches its backward all-gathers: the backward after a forward is served by the
     prefetch that was active last (for the weights its forwards gathered), until another forward
@@ -61,13 +62,16 @@ class WeightPrefetch:
 
     A prefetched weight is used only while it is the same version of the same storage in the same
     dtype (an in-place change in between, as an optimizer step makes, discards it; a change
-    through ``.data`` bumps no version and would go unseen), so results are bit-identical. One is
-    held at a time in each pass, costing one gathered weight of memory; between forward and
-    backward, the one backward needs first.
+    through ``.data`` bumps no version and would go unseen), so results are bit-identical. Up to
+    ``depth`` are held at a time in each pass, costing as many gathered weights of memory; between
+    forward and backward, the one backward needs first.
     """
 
-    def __init__(self):
-        self._forward, self._backward = _GatherOrder(), _GatherOrder()
+    def __init__(self, depth: int = 1):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"WeightPrefetch(depth={depth!r}): depth is how many weights are gathered ahead, "
+                             "an int >= 1 (1: one product ahead, FSDP's forward prefetch)")
+        self._forward, self._backward = _GatherOrder(depth), _GatherOrder(depth)
         self._outer: list[WeightPrefetch | None] = []
 
     def __enter__(self) -> WeightPrefetch:
@@ -122,9 +126,9 @@ def _start_gather(w: torch.Tensor, group, dtype: torch.dtype | None) -> tuple:
     return comm.all_gather_dim0(w.to(dtype or w.dtype), group, async_op=True)
 
 
-def _fetched_ahead(w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> tuple:
-    """What a pass holds of a weight fetched ahead: ``(key, version, dtype, gathered, handle)``."""
-    return (_storage_key(w), w._version, dtype) + tuple(gathered)
+def _fetched_ahead(position: int, w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> tuple:
+    """What a pass holds of a weight fetched ahead: ``(position, key, version, dtype, gathered, handle)``."""
+    return (position, _storage_key(w), w._version, dtype) + tuple(gathered)
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
