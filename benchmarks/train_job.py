@@ -16,7 +16,7 @@ gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defa
   ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block and the loss's local passes compiled),
   ``nocheck`` = ``check_inputs=False`` (no token-range check), ``regather`` = ``save_gathered=False``
   (gathered operands re-gathered in backward, not kept), ``aheadN`` = ``WeightPrefetch(depth=N)``
-  (N weights gathered ahead, not one); ``3d auto [async] [compile]``: the
+  (N weights gathered ahead, not the default two); ``3d auto [async] [compile]``: the
   grid ``grid="auto"`` picks from the model's shape.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
   sequence parallelism, each block and the loss compiled, async TP (``peers_job.py``: torchtitan's recipe).
@@ -76,6 +76,7 @@ import lightning_3d  # noqa: E402
 from lightning_3d.grad_norm import clip_grad_norm_  # noqa: E402
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig  # noqa: E402
 from lightning_3d.ops import WeightPrefetch  # noqa: E402
+from lightning_3d.ops.prefetch import DEFAULT_DEPTH  # noqa: E402
 from lightning_3d.machine import measure_machine  # noqa: E402
 from lightning_3d.planner import Machine, ModelShape  # noqa: E402
 from lightning_3d.strategy import grid_rules  # noqa: E402
@@ -114,7 +115,7 @@ class Method:
     compile: bool = False
     check_inputs: bool = True  # 3d
     save_gathered: bool = True  # 3d
-    prefetch_depth: int = 1  # 3d
+    prefetch_depth: int = DEFAULT_DEPTH  # 3d
     checkpointing: bool = False
     half_grads: bool = False  # the dp gradient reduction in bf16 (fp16 on CPU)
 
@@ -155,7 +156,7 @@ class Method:
             where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
             return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
                     + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
-                    + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != 1 else "") + common)
+                    + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != DEFAULT_DEPTH else "") + common)
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
         return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "") + common
 

@@ -190,7 +190,7 @@ def run_parser(description: str, out: str) -> argparse.ArgumentParser:
     p.add_argument("--async-tp", action="store_true", help="collective matmuls over symmetric memory (GPUs of one NVLink domain)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (RuntimeOptions.compile)")
     p.add_argument("--regather", action="store_true",
-                   help="less memory: re-gather weights in backward, one product ahead (save_gathered=False, prefetch=True)")
+                   help="less memory: re-gather weights in backward, two products ahead (save_gathered=False, prefetch=True)")
     return p
 
 

@@ -22,9 +22,9 @@ class RuntimeOptions:
             every rank of a cube must reach its peers' memory: one NVLink domain).
         save_gathered: keep the gathered activation and weight of every 3-D product for backward
             (default) or re-gather them there (less memory, more communication).
-        prefetch: gather each weight one product ahead during forward, and re-gather it one
-            product ahead in backward where ``save_gathered=False``
-            (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`; one gathered weight of memory).
+        prefetch: gather each weight two products ahead during forward, and re-gather it two
+            products ahead in backward where ``save_gathered=False``
+            (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`; two gathered weights of memory).
         activation_checkpointing: recompute the modules the plan names as checkpoint units in
             backward (non-reentrant ``torch.utils.checkpoint``; dropout masks are replayed).
         compile: run each checkpoint unit (a Transformer block) through ``torch.compile``, one

@@ -8,8 +8,8 @@ measured matmul rate, memory bandwidth and per-group-size collective bandwidth a
 then charges only the communication the implementation cannot hide:
 
 - 3-D forward: the input all-gather and the output reduce-scatter of each product; the weight
-  all-gather is prefetched during the previous product (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`)
-  and costs only what that product does not cover (all of it for the first product of a step).
+  all-gather is prefetched two products ahead (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`)
+  and costs only what the product's own time does not cover (all of it for the first product of a step).
 - 3-D backward: the gradient all-gather; the larger of the two reduce-scatters hides behind the
   other product, the smaller is exposed; when gathered operands are not saved, the activation's
   re-gather, and the weight's as far as the previous product's backward does not cover it (prefetched).

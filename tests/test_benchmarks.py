@@ -108,7 +108,7 @@ def test_train_job_cases_parse_and_refuse_bad_input():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import train_job
 
-    for text in ("3d 1x2x1 dp2 async", "3d 4x1x1 compile regather ahead2", "3d auto", "tp-sp compile async", "fsdp2-tp 2x2 compile", "ddp"):
+    for text in ("3d 1x2x1 dp2 async", "3d 4x1x1 compile regather ahead1", "3d auto", "tp-sp compile async", "fsdp2-tp 2x2 compile", "ddp"):
         assert train_job.Method.parse(text, 4).label == text
     for text, words in (("3d 2x2x2", "dp·px·py·pz = 8"), ("fsdp2-tp 2x4", "dp·tp = 8"), ("megatron", "first word"), ("tp fast", "'fast'")):
         with pytest.raises(ValueError, match=re.escape(words)):

@@ -1,6 +1,6 @@
-"""WeightPrefetch gathers each weight one product ahead and gives bit-identical results, and a
+"""WeightPrefetch gathers each weight one or more products ahead and gives bit-identical results, and a
 weight changed in place after its prefetch was started is gathered again (never used stale).
-With ``save_gathered=False`` it re-gathers each weight one product ahead in backward too, with
+With ``save_gathered=False`` it re-gathers each weight ahead in backward too, with
 bit-identical gradients."""
 
 import pytest

@@ -1,10 +1,13 @@
-"""WeightPrefetch: each weight's all-gather started one (or ``depth``) 3-D products ahead, in forward and in backward."""
+"""WeightPrefetch: each weight's all-gather started ``depth`` (default two) 3-D products ahead, in forward and in backward."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import comm
+
+
+DEFAULT_DEPTH = 2  # weights gathered ahead
 
 
 class _GatherOrder:
@@ -47,14 +50,17 @@ class _GatherOrder:
 
 
 class WeightPrefetch:
-    """While active, starts the all-gather of the next weight as soon as the current one is gathered.
+    """While active, starts the all-gathers of the next ``depth`` weights as soon as the current one is gathered.
 
     Use it as a context manager around forward passes (``with prefetch: loss = model(x)``), or
     :meth:`attach` it to a model to enter it around every forward. The first forward records the
     order in which the 3-D products gather their operand B when it is a parameter (or a view of
     one); from then on, gathering weight k also starts the gathers of weights k+1 … k+``depth``
     not yet started, so that their communication hides behind product k (and, for ``depth`` > 1,
-    the ones after it) instead of delaying the products that need them. Products that re-gather
+    the ones after it) instead of delaying the products that need them. Two ahead (the default)
+    hides a large weight's gather (an MLP's) behind the products before it, not only the one
+    before it, which is small (attention's output projection); more than two gained nothing
+    measurable at 7B shapes (``docs/benchmarks.md``, runs AD–AE). Products that re-gather
     their weight in backward (``save_gathered=False``) do the same there, in backward's own order,
     as FSDP prefetches its backward all-gathers: the backward after a forward is served by the
     prefetch that was active last (for the weights its forwards gathered), until another forward
@@ -67,10 +73,10 @@ class WeightPrefetch:
     forward and backward, the one backward needs first.
     """
 
-    def __init__(self, depth: int = 1):
+    def __init__(self, depth: int = DEFAULT_DEPTH):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"WeightPrefetch(depth={depth!r}): depth is how many weights are gathered ahead, "
-                             "an int >= 1 (1: one product ahead, FSDP's forward prefetch)")
+                             "an int >= 1 (default 2)")
         self._forward, self._backward = _GatherOrder(depth), _GatherOrder(depth)
         self._outer: list[WeightPrefetch | None] = []
 
