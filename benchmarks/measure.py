@@ -116,7 +116,7 @@ def kernel_kind(event: dict) -> str:
 
 def kernel_timeline(trace_path: str) -> dict:
     """From a chrome trace: ms of GPU time with communication running and no compute kernel
-    (exposed communication), of anything running (busy), of communication in all, the summed
+    (exposed communication, also by collective), of anything running (busy), of communication in all, the summed
     time and count of kernels of each :func:`kernel_kind`, and the longest kernels by name."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
@@ -134,10 +134,29 @@ def kernel_timeline(trace_path: str) -> dict:
             kind[1] += 1
     moving_u, computing_u = _union(moving), _union(computing)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+    exposed_by_collective = {name: round(_minus(_union(spans), computing_u) / 1e3, 3)
+                             for name, spans in _comm_by_collective(events).items()}
     return {"exposed_comm_ms": _minus(moving_u, computing_u) / 1e3, "comm_ms": _length(moving_u) / 1e3,
+            "exposed_by_collective_ms": exposed_by_collective,
             "busy_ms": _length(_union(moving + computing + other)) / 1e3, "kernels": len(moving) + len(computing) + len(other),
             "by_kind_ms_count": {k: [round(ms, 3), n] for k, (ms, n) in sorted(by_kind.items())},
             "top_kernels_ms": [[name, round(ms, 3)] for name, ms in top]}
+
+
+COLLECTIVES = ("AllGather", "ReduceScatter", "AllReduce", "SendRecv", "Broadcast")
+
+
+def _comm_by_collective(events: list) -> dict[str, list[tuple[float, float]]]:
+    """The communication spans of a trace by collective: an NCCL kernel's op and dtype as named
+    (``AllGather``, ``ReduceScatter_Sum_bf16``, ...), and ``copy or barrier`` for the rest."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e and _is_comm(e):
+            name = e.get("name", "")
+            op = next((name[name.index(c):].split("(")[0].split("_RING")[0].split("_TREE")[0] for c in COLLECTIVES if c in name),
+                      "copy or barrier")
+            out.setdefault(op, []).append((e["ts"], e["ts"] + e["dur"]))
+    return out
 
 
 def nccl_kernels(trace_path: str) -> dict[str, list[tuple[float, float]]]:

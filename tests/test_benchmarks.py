@@ -147,7 +147,7 @@ def test_repeats_take_each_cases_median_over_processes(tmp_path):
 
 
 def test_profile_timelines_from_traces(tmp_path):
-    """``kernel_timeline`` splits a trace's GPU time by kind and exposure; ``peer_waits`` aligns two
+    """``kernel_timeline`` splits a trace's GPU time by kind and exposure (also by collective); ``peer_waits`` aligns two
     ranks' traces on the wall clock (different bases) and splits each collective into the wait for
     the last rank and the time after it; a kernel name whose count differs between ranks is left out."""
     import gzip
@@ -168,6 +168,8 @@ def test_profile_timelines_from_traces(tmp_path):
     timeline = measure.kernel_timeline(r0)
     assert timeline["by_kind_ms_count"]["communication"] == [0.075, 3] and timeline["by_kind_ms_count"]["matmul"] == [0.06, 1]
     assert abs(timeline["exposed_comm_ms"] - 0.045) < 1e-9 and abs(timeline["busy_ms"] - 0.105) < 1e-9
+    # gathers: 1100–1120 and 1300–1320 exposed, the GEMM covers the rest; the all-reduce all of its 5 µs
+    assert timeline["exposed_by_collective_ms"] == {"AllGather": 0.04, "AllReduce_Sum_f32": 0.005}
     waits = measure.peer_waits([measure.nccl_kernels(r0), measure.nccl_kernels(r1)])
     # gather 1: rank 0 starts at 1100, rank 1 at 1130 → rank 0 waits 30 µs, both move 20 until 1150;
     # gather 2: rank 1 starts at 1290, rank 0 at 1300 → rank 1 waits 10, both move 20 until 1320;
