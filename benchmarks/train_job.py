@@ -10,13 +10,14 @@ whole job: forward of embedding, blocks, LM head and loss under bf16 mixed preci
 master weights, backward, the gradient reduction over data parallelism, clipping by the global
 gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defaults`` per GPU count):
 
-- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather] [aheadN]``: :class:`~lightning_3d.models.GPT3D` through the
+- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather] [aheadN] [late]``: :class:`~lightning_3d.models.GPT3D` through the
   steps ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
   autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
   ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block and the loss's local passes compiled),
   ``nocheck`` = ``check_inputs=False`` (no token-range check), ``regather`` = ``save_gathered=False``
   (gathered operands re-gathered in backward, not kept), ``aheadN`` = ``WeightPrefetch(depth=N)``
-  (N weights gathered ahead, not the default two); ``3d auto [async] [compile]``: the
+  (N weights gathered ahead, not the default two), ``late`` = ``grads_at_end=True`` (weight
+  gradients' reduce-scatters waited for once, at the end of backward); ``3d auto [async] [compile]``: the
   grid ``grid="auto"`` picks from the model's shape.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
   sequence parallelism, each block and the loss compiled, async TP (``peers_job.py``: torchtitan's recipe).
@@ -116,6 +117,7 @@ class Method:
     check_inputs: bool = True  # 3d
     save_gathered: bool = True  # 3d
     prefetch_depth: int = DEFAULT_DEPTH  # 3d
+    grads_at_end: bool = False  # 3d
     checkpointing: bool = False
     half_grads: bool = False  # the dp gradient reduction in bf16 (fp16 on CPU)
 
@@ -128,7 +130,7 @@ class Method:
             raise ValueError(f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp")
         fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts, "check_inputs": "nocheck" not in opts,
                   "save_gathered": "regather" not in opts, "checkpointing": "ckpt" in opts,
-                  "half_grads": "bf16grad" in opts}
+                  "half_grads": "bf16grad" in opts, "grads_at_end": "late" in opts}
         for w in opts:
             if "x" in w:
                 dims = tuple(int(d) for d in w.split("x"))
@@ -140,7 +142,7 @@ class Method:
                 fields["dp"] = int(w[2:])
             elif w.startswith("ahead"):
                 fields["prefetch_depth"] = int(w[5:])
-            elif w not in ("auto", "async", "compile", "nocheck", "regather", "ckpt", "bf16grad"):
+            elif w not in ("auto", "async", "compile", "nocheck", "regather", "late", "ckpt", "bf16grad"):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
         if kind == "3d" and method.grid is not None and method.dp * math.prod(method.grid) != world:
@@ -156,7 +158,8 @@ class Method:
             where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
             return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
                     + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
-                    + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != DEFAULT_DEPTH else "") + common)
+                    + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != DEFAULT_DEPTH else "")
+                    + (" late" if self.grads_at_end else "") + common)
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
         return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "") + common
 
@@ -234,7 +237,8 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
     """GPT3D through the strategy's steps: DDP over dp, global-norm clipping, bf16 autocast, AdamW."""
     grid = run.grid(method.grid, method.dp)
     options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, compile=method.compile, check_inputs=method.check_inputs,
-                                          save_gathered=method.save_gathered, activation_checkpointing=method.checkpointing)
+                                          save_gathered=method.save_gathered, activation_checkpointing=method.checkpointing,
+                                          grads_at_end=method.grads_at_end)
     if method.compile:
         torch.compiler.reset()
     model = GPT3D(config, grid, device=run.device, options=options)

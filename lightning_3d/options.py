@@ -25,6 +25,9 @@ class RuntimeOptions:
         prefetch: gather each weight two products ahead during forward, and re-gather it two
             products ahead in backward where ``save_gathered=False``
             (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`; two gathered weights of memory).
+        grads_at_end: in a parallelized model, reduce-scatter each gathered weight's gradient
+            beside the rest of backward and wait for all of them once, at its end, instead of in
+            each product's backward (:mod:`~lightning_3d.ops.late_grads`; on CUDA, one side stream).
         activation_checkpointing: recompute the modules the plan names as checkpoint units in
             backward (non-reentrant ``torch.utils.checkpoint``; dropout masks are replayed).
         compile: run each checkpoint unit (a Transformer block) through ``torch.compile``, one
@@ -41,6 +44,7 @@ class RuntimeOptions:
     async_tp: bool = False
     save_gathered: bool = True
     prefetch: bool = False
+    grads_at_end: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
     check_inputs: bool = True

@@ -51,9 +51,10 @@ def compiled_job(grid):
 
 def compiled_options_job(grid):
     """The compiled model with each other run-time choice on (prefetched weights, regathered
-    operands, collective matmuls) against DenseGPT; every weight its forward gathered through the
-    prefetch is re-gathered through it in backward (the custom ops see their weights as parameters)."""
-    options = RuntimeOptions(compile=True, prefetch=True, save_gathered=False, async_tp=True)
+    operands, collective matmuls, weight gradients handed on at the end of backward) against
+    DenseGPT; every weight its forward gathered through the prefetch is re-gathered through it in
+    backward (the custom ops see their weights as parameters)."""
+    options = RuntimeOptions(compile=True, prefetch=True, save_gathered=False, async_tp=True, grads_at_end=True)
     _fresh_compiler()
     errs = _compiled(equivalence(grid, "llama", options), breaks_allowed=False)
     fetched = backward_prefetch()

@@ -39,6 +39,7 @@ from .. import comm
 from . import async_tp
 from ..grid import Grid, resolve_grid
 from ..options import RuntimeOptions, resolve_options
+from .late_grads import landed_weight, scatter_at_end
 from .prefetch import WeightPrefetch, active_prefetch, backward_prefetch
 
 
@@ -68,8 +69,10 @@ class MatmulPlan(NamedTuple):
     """What one 3-D matmul does: its form; its three groups and their sizes; whether it
     saves gathered operands; the dtype autocast multiplies in (None: autocast is off); whether
     operand B is a parameter (gathered through the active :class:`WeightPrefetch`, and cast again
-    in backward rather than kept as a cast copy); whether gathers and scatters next to a product
-    run as collective matmuls (``RuntimeOptions.async_tp``)."""
+    in backward rather than kept as a cast copy); whether dB's reduce-scatter is left for the end
+    of backward (B handed out by a :class:`~lightning_3d.ops.late_grads.WeightGradsAtEnd`);
+    whether gathers and scatters next to a product run as collective matmuls
+    (``RuntimeOptions.async_tp``)."""
 
     form: str
     groups: tuple
@@ -77,6 +80,7 @@ class MatmulPlan(NamedTuple):
     save_gathered: bool
     cast: torch.dtype | None
     b_is_parameter: bool
+    grads_at_end: bool
     async_tp: bool
 
     def fused(self, form: str, k: int) -> bool:
@@ -126,9 +130,11 @@ def _forward(plan: MatmulPlan, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
     return c, a_full if plan.save_gathered else a, kept_b
 
 
-def _backward(plan: MatmulPlan, grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, needs: tuple[bool, bool, bool]):
+def _backward(plan: MatmulPlan, grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, needs: tuple[bool, bool, bool],
+              weight: torch.Tensor | None = None):
     """``(dA, dB, dbias)`` in the layouts of A, B and the bias (None where ``needs`` is false),
-    from A and B as :func:`_forward` kept them. Gradients come in the dtype products run in."""
+    from A and B as :func:`_forward` kept them. Gradients come in the dtype products run in.
+    With ``plan.grads_at_end``, dB is left for ``weight``'s node (:func:`scatter_at_end`) and None."""
     group_a, _, group_c = plan.groups
     a = _cast(a, plan.cast)
     # dA's first operand is dC in forms "ab" and "abt": its gather can be fused into dA's product
@@ -157,6 +163,9 @@ def _backward(plan: MatmulPlan, grad_c: torch.Tensor, a: torch.Tensor, b: torch.
         if k == 0 and fuse_gather:
             operands[2], product = async_tp.all_gather_matmul(form, grad_c.to(a.dtype), operands[y], None, group_c)
             grads[0], done = comm.reduce_scatter_dim0(product, group_a, async_op=True)
+        elif k == 1 and plan.grads_at_end:
+            scatter_at_end(_mm(form, operands[x], operands[y]), plan.groups[1], weight)
+            continue
         else:
             grads[k], done = _product_scatter(plan, form, operands[x], operands[y], None, k, async_op=True)
         scatters.append(done)
@@ -195,12 +204,13 @@ class _Matmul3D(torch.autograd.Function):
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, plan: MatmulPlan) -> torch.Tensor:
         ctx.plan, ctx.dtypes = plan, (a.dtype, b.dtype, None if bias is None else bias.dtype)
         c, kept_a, kept_b = _forward(plan, a, b, bias)
-        ctx.save_for_backward(kept_a, kept_b)
+        ctx.save_for_backward(kept_a, kept_b, b if plan.b_is_parameter else None)  # see _setup_context
         return c
 
     @staticmethod
     def backward(ctx, grad_c: torch.Tensor):
-        grads = _backward(ctx.plan, grad_c, *ctx.saved_tensors, ctx.needs_input_grad[:3])
+        kept_a, kept_b, weight = ctx.saved_tensors  # unpacked once: checkpointing allows no second time
+        grads = _backward(ctx.plan, grad_c, kept_a, kept_b, ctx.needs_input_grad[:3], weight)
         return _as_dtypes(grads, ctx.dtypes) + (None,)
 
 
@@ -212,13 +222,14 @@ class _Matmul3D(torch.autograd.Function):
 def _op_args(plan: MatmulPlan) -> tuple:
     """The plan as a custom op takes it: groups by name."""
     return (plan.form, *(group.group_name for group in plan.groups), list(plan.sizes), plan.save_gathered, plan.cast,
-            plan.b_is_parameter, plan.async_tp)
+            plan.b_is_parameter, plan.grads_at_end, plan.async_tp)
 
 
-def _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, async_tp, resolve: bool = True) -> MatmulPlan:
+def _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, async_tp,
+             resolve: bool = True) -> MatmulPlan:
     """The plan of :func:`_op_args`; its groups found from their names if ``resolve``."""
     groups = tuple(comm.group_named(name) for name in (name_a, name_b, name_c)) if resolve else (None,) * 3
-    return MatmulPlan(form, groups, tuple(sizes), save_gathered, cast, b_is_parameter, async_tp)
+    return MatmulPlan(form, groups, tuple(sizes), save_gathered, cast, b_is_parameter, grads_at_end, async_tp)
 
 
 def _kept_as_given(plan: MatmulPlan, k: int, dtype: torch.dtype) -> bool:
@@ -232,8 +243,8 @@ def _kept_as_given(plan: MatmulPlan, k: int, dtype: torch.dtype) -> bool:
 @torch.library.custom_op("lightning_3d::matmul3d", mutates_args=())
 def _matmul3d_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, form: str, name_a: str, name_b: str,
                  name_c: str, sizes: list[int], save_gathered: bool, cast: torch.dtype | None, b_is_parameter: bool,
-                 async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, async_tp)
+                 grads_at_end: bool, async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, async_tp)
     c, kept_a, kept_b = _forward(plan, a, b, bias)
     return (c, c.new_empty(0) if _kept_as_given(plan, 0, a.dtype) else kept_a,
             c.new_empty(0) if _kept_as_given(plan, 1, b.dtype) else kept_b)
@@ -251,19 +262,20 @@ def _(a, b, bias, *plan_args):
 
 
 @torch.library.custom_op("lightning_3d::matmul3d_backward", mutates_args=())
-def _matmul3d_backward_op(grad_c: torch.Tensor, kept_a: torch.Tensor, kept_b: torch.Tensor, shapes: list[int],
-                          dtype_a: torch.dtype, dtype_b: torch.dtype, dtype_bias: torch.dtype, needs: list[bool],
-                          form: str, name_a: str, name_b: str, name_c: str, sizes: list[int], save_gathered: bool,
-                          cast: torch.dtype | None, b_is_parameter: bool,
+def _matmul3d_backward_op(grad_c: torch.Tensor, kept_a: torch.Tensor, kept_b: torch.Tensor, weight: torch.Tensor,
+                          shapes: list[int], dtype_a: torch.dtype, dtype_b: torch.dtype, dtype_bias: torch.dtype,
+                          needs: list[bool], form: str, name_a: str, name_b: str, name_c: str, sizes: list[int],
+                          save_gathered: bool, cast: torch.dtype | None, b_is_parameter: bool, grads_at_end: bool,
                           async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, async_tp)
-    grads = _as_dtypes(_backward(plan, grad_c, kept_a, kept_b, tuple(needs)), (dtype_a, dtype_b, dtype_bias))
+    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, async_tp)
+    grads = _as_dtypes(_backward(plan, grad_c, kept_a, kept_b, tuple(needs), weight), (dtype_a, dtype_b, dtype_bias))
     return tuple(g if g is not None else grad_c.new_empty(0) for g in grads)
 
 
 @_matmul3d_backward_op.register_fake
-def _(grad_c, kept_a, kept_b, shapes, dtype_a, dtype_b, dtype_bias, needs, *plan_args):
+def _(grad_c, kept_a, kept_b, weight, shapes, dtype_a, dtype_b, dtype_bias, needs, *plan_args):
     a_shape, b_shape = _split_shapes(shapes)
+    needs = [needs[0], needs[1] and not _op_plan(*plan_args, resolve=False).grads_at_end, needs[2]]
     return tuple(grad_c.new_empty(shape if need else [0], dtype=dtype)
                  for shape, dtype, need in zip((a_shape, b_shape, [grad_c.shape[-1]]), (dtype_a, dtype_b, dtype_bias), needs))
 
@@ -278,7 +290,11 @@ def _setup_context(ctx, inputs, output) -> None:
     a, b, bias, *plan_args = inputs
     plan = _op_plan(*plan_args, resolve=False)
     kept = [given if _kept_as_given(plan, k, given.dtype) else made for k, (given, made) in enumerate(zip((a, b), output[1:]))]
-    ctx.save_for_backward(*kept)
+    # the weight itself (no memory: a parameter's view) for a gradient left for the end; saved for
+    # every parameter, so that a checkpointed block, recomputed outside the forward's hand-out,
+    # saves as many tensors
+    ctx.save_for_backward(*kept, b if plan.b_is_parameter else None)
+    ctx.grads_at_end = plan.grads_at_end
     ctx.shapes = [a.dim(), *a.shape, *b.shape]
     ctx.dtypes = (a.dtype, b.dtype, a.dtype if bias is None else bias.dtype)  # the bias's is unused without one
     ctx.plan_args = plan_args
@@ -286,8 +302,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _op_backward(ctx, grad_c, _grad_kept_a, _grad_kept_b):
     needs = list(ctx.needs_input_grad[:3])
-    grads = _matmul3d_backward_op(grad_c, *ctx.saved_tensors, ctx.shapes, *ctx.dtypes, needs, *ctx.plan_args)
-    return tuple(g if need else None for g, need in zip(grads, needs)) + (None,) * len(ctx.plan_args)
+    kept_a, kept_b, weight = ctx.saved_tensors
+    grads = _matmul3d_backward_op(grad_c, kept_a, kept_b, grad_c.new_empty(0) if weight is None else weight, ctx.shapes,
+                                  *ctx.dtypes, needs, *ctx.plan_args)
+    given = [needs[0], needs[1] and not ctx.grads_at_end, needs[2]]  # a gradient left for the end is given there
+    return tuple(g if give else None for g, give in zip(grads, given)) + (None,) * len(ctx.plan_args)
 
 
 _matmul3d_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -298,8 +317,11 @@ def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tens
     if grid.cube_size == 1:  # nothing to gather or scatter: the plain product, under plain autograd
         return _mm(form, a, b, bias)
     groups = tuple(grid.group(axis) for axis in directions)
-    plan = MatmulPlan(form, groups, tuple(grid.size(axis) for axis in directions), options.save_gathered,
-                      _autocast_dtype(a), _is_parameter(b), options.async_tp)
+    sizes = tuple(grid.size(axis) for axis in directions)
+    landed = landed_weight(b) if sizes[1] > 1 else None
+    plan = MatmulPlan(form, groups, sizes, options.save_gathered, _autocast_dtype(a), _is_parameter(b), landed is not None,
+                      options.async_tp)
+    b = b if landed is None else landed
     if torch.compiler.is_compiling():
         return _matmul3d_op(a, b, bias, *_op_args(plan))[0]
     return _Matmul3D.apply(a, b, bias, plan)

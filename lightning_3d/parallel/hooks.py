@@ -1,5 +1,7 @@
-"""The model-level hooks a plan adds: its input and output hooks, weight prefetch while enabled, one
-replica-gradient sum per forward (:class:`~lightning_3d.ops.replicated.ReplicatedGradsAtOnce`) and
+"""The model-level hooks a plan adds: its input and output hooks, weight prefetch and weight
+gradients handed on at the end of backward while enabled
+(:class:`~lightning_3d.ops.late_grads.WeightGradsAtEnd`), one replica-gradient sum per forward
+(:class:`~lightning_3d.ops.replicated.ReplicatedGradsAtOnce`) and
 the token-range checks read once at the end of each forward
 (:class:`~lightning_3d.ops.token_ids.DeferredTokenChecks`)."""
 
@@ -12,10 +14,12 @@ from torch import nn
 
 from ..grid import Grid
 from ..layers.base import Module3D
+from ..ops.late_grads import WeightGradsAtEnd
 from ..ops.prefetch import WeightPrefetch
 from ..ops.replicated import ReplicatedGradsAtOnce
 from ..ops.token_ids import DeferredTokenChecks
 from ..options import RuntimeOptions
+from ..sharding import get_spec
 from .plan import Plan
 
 
@@ -33,6 +37,21 @@ class _PrefetchWhenEnabled:
     def leave(self, module, args, output) -> None:
         if self.entered.pop():
             self.prefetch.__exit__()
+
+
+class _GradsAtEndWhenEnabled:
+    """Enters a fresh :class:`WeightGradsAtEnd` of ``weights()`` around each forward while ``options.grads_at_end`` is on."""
+
+    def __init__(self, options: RuntimeOptions, weights: Callable[[], list]):
+        self.options, self.weights, self.entered = options, weights, []
+
+    def enter(self, module, args) -> None:
+        self.entered.append(WeightGradsAtEnd(self.weights()).__enter__() if self.options.grads_at_end else None)
+
+    def leave(self, module, args, output) -> None:
+        entered = self.entered.pop()
+        if entered is not None:
+            entered.__exit__(None, None, None)
 
 
 class _EachForward:
@@ -53,6 +72,14 @@ def _replicated_uses(layers: list[Module3D]) -> list:
     return [use for layer in layers for use in layer.replicated_parameters()]
 
 
+def _gathered_weights(layers: list[Module3D], grid: Grid) -> list:
+    """The weights ``layers`` hold that 3-D products gather over x (none when x has one rank)."""
+    if grid.size("x") == 1:
+        return []
+    return [p for layer in layers for p in layer.parameters(recurse=False)
+            if p.dim() > 1 and get_spec(p) is not None and "x" in sum(get_spec(p).dims, ())]
+
+
 def attach_model_hooks(model: nn.Module, plan: Plan, grid: Grid, options: RuntimeOptions) -> None:
     """Register the plan's ``before_forward`` / ``after_forward``, the prefetch switch, the
     replica-gradient sum and the deferred token checks on ``model``. The contexts are entered before
@@ -64,13 +91,15 @@ def attach_model_hooks(model: nn.Module, plan: Plan, grid: Grid, options: Runtim
     # takes the host 0.13 ms); a layer added later sums its own gradients, as one outside a model does.
     layers = [m for m in model.modules() if isinstance(m, Module3D)]
     replicated = _EachForward(lambda: ReplicatedGradsAtOnce(grid, _replicated_uses(layers)))
-    for entered in (tokens, prefetch, replicated):
+    grads_at_end = _GradsAtEndWhenEnabled(options, lambda: _gathered_weights(layers, grid))
+    for entered in (tokens, prefetch, replicated, grads_at_end):
         model.register_forward_pre_hook(entered.enter)
     if plan.before_forward is not None:
         before = plan.before_forward
         model.register_forward_pre_hook(lambda m, args, kwargs: before(m, grid, args, kwargs), with_kwargs=True)
     model.register_forward_hook(prefetch.leave, always_call=True)
     model.register_forward_hook(replicated.leave, always_call=True)
+    model.register_forward_hook(grads_at_end.leave, always_call=True)
     if plan.after_forward is not None:
         after = plan.after_forward
         model.register_forward_hook(lambda m, args, kwargs, out: after(m, grid, args, kwargs, out), with_kwargs=True)

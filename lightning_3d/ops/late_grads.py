@@ -1,0 +1,120 @@
+"""Weight gradients reduce-scattered beside backward and handed to autograd once, at its end.
+
+A 3-D product whose weight B is gathered over x reduce-scatters dB back over x in its backward.
+Waited for before the product's backward returns (autograd reads the gradient at once), that
+reduce-scatter is exposed: the NCCL kernel cannot start while the next GEMM holds every SM, so it
+runs alone while the GPU waits. Inside :class:`WeightGradsAtEnd` (entered around every forward of
+a parallelized model while ``RuntimeOptions.grads_at_end`` is on) each such product takes its
+weight as a view from one autograd node made at the start of the forward; its backward starts
+dB's reduce-scatter on a side stream (on CUDA) and gives autograd no gradient for the view; the
+node's backward, which runs after every product's, makes the compute stream wait once for all of
+them and hands each weight its gradient. Autograd then accumulates them as usual (so DDP's and
+DeepSpeed's gradient hooks see them), as FSDP waits for its reduce-scatters once per backward.
+Gradients are bit-identical.
+
+Gradients started and not yet handed on are held by weight storage (``_pending``), so that a
+product's custom op, which sees tensors only, can leave its gradient for the node of its weight.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .. import comm
+
+_LANDED = "_landed_view"  # on a weight inside a WeightGradsAtEnd: its view from the context's node
+_pending: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Stream | None]]] = {}
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """The weight a tensor views, whole: its storage, offset and size (any shape)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+
+
+class _HandOnAtEnd(torch.autograd.Function):
+    """Identity on the weights; backward gives each the gradients its products left pending,
+    plus any that reached its view through autograd."""
+
+    @staticmethod
+    def forward(ctx, *weights):
+        ctx.keys, ctx.shapes = [_key(w) for w in weights], [w.shape for w in weights]
+        ctx.set_materialize_grads(False)
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        started = [_pending.pop(key, []) for key in ctx.keys]
+        for stream in {stream for entries in started for _, stream in entries if stream is not None}:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        out = []
+        for grad, entries, shape in zip(grads, started, ctx.shapes):
+            for shard, stream in entries:  # in the shape its product used the weight in
+                if stream is not None:
+                    shard.record_stream(torch.cuda.current_stream(stream.device))
+                grad = shard.view(shape) if grad is None else grad + shard.view(shape)
+            out.append(grad)
+        return tuple(out)
+
+
+class WeightGradsAtEnd:
+    """Context for one forward: the listed weights' gathered-gradient reduce-scatters waited for
+    once, at the end of backward (see the module's docstring).
+
+    Args:
+        weights: the weights 3-D products gather over x (of a group larger than one); a weight the
+            forward does not use as such gets its gradients from autograd as before.
+    """
+
+    def __init__(self, weights: Iterable[nn.Parameter]):
+        self.weights = [w for w in weights if w.requires_grad]
+        self._outer: list[list] = []
+
+    def __enter__(self) -> WeightGradsAtEnd:
+        self._outer.append([(w, getattr(w, _LANDED, None)) for w in self.weights])
+        for w in self.weights:  # a backward that failed half-way left these: never hand them on
+            _pending.pop(_key(w), None)
+        views = _HandOnAtEnd.apply(*self.weights) if torch.is_grad_enabled() and self.weights else (None,) * len(self.weights)
+        for w, view in zip(self.weights, views):
+            setattr(w, _LANDED, view)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for w, outer in self._outer.pop():
+            setattr(w, _LANDED, outer)
+
+
+def landed_weight(b: torch.Tensor) -> torch.Tensor | None:
+    """``b`` (a parameter, or a view of all of one) as its view from the active
+    :class:`WeightGradsAtEnd`'s node, in ``b``'s shape; None outside one."""
+    root = b if isinstance(b, nn.Parameter) else b._base
+    view = getattr(root, _LANDED, None) if isinstance(root, nn.Parameter) else None
+    if view is None or b.numel() != root.numel() or not b.is_contiguous():
+        return None
+    return view.view(b.shape)
+
+
+def scatter_at_end(gathered_grad: torch.Tensor, group, weight: torch.Tensor) -> None:
+    """Reduce-scatter ``gathered_grad`` (the gradient of ``weight`` gathered over ``group``) and
+    leave this rank's rows, in ``weight``'s dtype, for the node that handed ``weight`` out. On
+    CUDA it runs on a side stream the compute stream does not wait for until that node runs."""
+    if gathered_grad.device.type != "cuda":
+        shard, _ = comm.reduce_scatter_dim0(gathered_grad, group)
+        _pending.setdefault(_key(weight), []).append((shard.to(weight.dtype), None))
+        return
+    side = _side_stream(gathered_grad.device)
+    side.wait_stream(torch.cuda.current_stream(gathered_grad.device))
+    with torch.cuda.stream(side):
+        shard, _ = comm.reduce_scatter_dim0(gathered_grad, group)
+        shard = shard.to(weight.dtype)
+    gathered_grad.record_stream(side)  # made on the compute stream, read on the side stream
+    _pending.setdefault(_key(weight), []).append((shard, side))
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]

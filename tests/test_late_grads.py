@@ -1,0 +1,110 @@
+"""``RuntimeOptions(grads_at_end=True)``: each gathered weight's gradient is reduce-scattered beside
+backward and handed to autograd once, at its end.
+
+GPT3D with it equals DenseGPT (float64: loss and every gradient) on grids with px > 1, also with
+weights re-gathered and prefetched, and with blocks recomputed in backward (compiled:
+``test_compile.py``); the block weights' gradients
+really arrive at the end, eager and compiled (none is set when the embedding's output gradient is
+computed, as each is without the option);
+gradients accumulate over micro-batches; DDP over dp reduces them as without the option; and a
+backward that fails half-way leaves nothing a later step hands on.
+"""
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import harness
+from checks import assert_close, on_grids, rel
+from lightning_3d.options import RuntimeOptions
+from lightning_3d.sharding import get_spec, unshard_tensor
+from test_gpt import batch, config, equivalence, pair
+
+GRIDS = [(2, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)]  # in a world of 8: dp = 4, 2, 2, 1
+
+
+def _block_weights(model) -> list:
+    return [p for name, p in model.named_parameters() if ".h." in name and p.dim() > 1]
+
+
+def _arrival(grid, grads_at_end: bool, compile: bool = False) -> float:
+    """Share of the block weights whose gradient is set when the embedding's output gradient is computed."""
+    if compile:
+        torch.compiler.reset()
+    _, model = pair(grid, config("llama"), 3, options=RuntimeOptions(grads_at_end=grads_at_end, compile=compile))
+    idx, targets = batch(grid, 4)
+    seen = []
+    weights = _block_weights(model)
+
+    def watch(module, args, out) -> None:
+        out.register_hook(lambda g: seen.append(sum(w.grad is not None for w in weights) / len(weights)))
+
+    model.transformer.wte.register_forward_hook(watch)
+    model(idx, targets).backward()
+    return seen[0]
+
+
+def _accumulated(grid, options: RuntimeOptions, micro_batches: int = 2) -> list:
+    _, model = pair(grid, config("gpt2"), 5, options=options)
+    for step in range(micro_batches):
+        model(*batch(grid, 6 + step)).backward()
+    return [unshard_tensor(p.grad, get_spec(p), grid) for p in model.parameters()]
+
+
+def _after_failed_backward(grid) -> list:
+    """Gradients of one step, after a backward that raised once every product had started its scatter."""
+    _, model = pair(grid, config("llama"), 7, options=RuntimeOptions(grads_at_end=True))
+
+    def fail(module, args, out) -> None:
+        out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("stop")))
+
+    handle = model.transformer.wte.register_forward_hook(fail)
+    try:
+        model(*batch(grid, 8)).backward()
+    except RuntimeError:
+        pass
+    handle.remove()
+    model.zero_grad()
+    model(*batch(grid, 9)).backward()
+    return [unshard_tensor(p.grad, get_spec(p), grid) for p in model.parameters()]
+
+
+def _accumulated_fresh(grid) -> list:
+    """The gradients :func:`_after_failed_backward` must end with: its model's one clean step."""
+    _, model = pair(grid, config("llama"), 7, options=RuntimeOptions(grads_at_end=True))
+    model(*batch(grid, 9)).backward()
+    return [unshard_tensor(p.grad, get_spec(p), grid) for p in model.parameters()]
+
+
+def _ddp(grid, grads_at_end: bool) -> list:
+    _, model = pair(grid, config("gpt2"), 11, options=RuntimeOptions(grads_at_end=grads_at_end))
+    ddp = DistributedDataParallel(model, process_group=grid.group("dp"))
+    for step in range(2):
+        ddp.zero_grad()
+        ddp(*batch(grid, 12 + step)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def late_job(grid):
+    errs = {}
+    for style in ("gpt2", "llama"):  # gpt2 ties the embedding to the LM head: two uses of one weight
+        errs.update(equivalence(grid, style, RuntimeOptions(grads_at_end=True)))
+    errs.update({f"regather_{k}": e for k, e in
+                 equivalence(grid, "llama", RuntimeOptions(grads_at_end=True, save_gathered=False, prefetch=True)).items()})
+    errs.update({f"ckpt_{k}": e for k, e in
+                 equivalence(grid, "gpt2", RuntimeOptions(grads_at_end=True, activation_checkpointing=True)).items()})
+    errs["arrive_at_end"] = _arrival(grid, True)
+    errs["arrive_at_once_without"] = 1.0 - _arrival(grid, False)
+    if grid.size("y") == grid.size("z") == 1:  # the compiled blocks' custom ops leave them too
+        errs["arrive_at_end_compiled"] = _arrival(grid, True, compile=True)
+    plain, late = _accumulated(grid, RuntimeOptions()), _accumulated(grid, RuntimeOptions(grads_at_end=True))
+    errs.update({f"accumulated{n}": rel(g, ref) for n, (g, ref) in enumerate(zip(late, plain))})
+    after = _after_failed_backward(grid)
+    fresh = _accumulated_fresh(grid)
+    errs.update({f"after_failure{n}": rel(g, ref) for n, (g, ref) in enumerate(zip(after, fresh))})
+    if grid.size("dp") > 1:
+        errs.update({f"ddp{n}": rel(g, ref) for n, (g, ref) in enumerate(zip(_ddp(grid, True), _ddp(grid, False)))})
+    return errs
+
+
+def test_weight_grads_at_end_equal_dense_and_arrive_at_end():
+    assert_close(harness.run(8, on_grids, GRIDS, late_job))
