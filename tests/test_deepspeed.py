@@ -193,12 +193,14 @@ def training_job(shape, stages, ckpt_root):
     return out
 
 
-def gpt_job(shape, stage, ckpt_root):
-    """GPT3D (tied, padded vocabulary, fused q/k/v) against DenseGPT: losses and norms; export equals the engine's weights."""
+def gpt_job(shape, stage, ckpt_root, grads_at_end=False):
+    """GPT3D (tied, padded vocabulary, fused q/k/v) against DenseGPT: losses and norms; export equals the engine's weights.
+    With ``grads_at_end`` the weight gradients reach DeepSpeed's hooks at the end of backward."""
     import torch.distributed as dist
 
     import deepspeed_3d
     from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
+    from lightning_3d.options import RuntimeOptions
 
     _local_rank_env()
     grid = harness.grid(shape)
@@ -206,7 +208,7 @@ def gpt_job(shape, stage, ckpt_root):
     config = GPTConfig(vocab_size=37, block_size=S + 1, n_layer=1, n_head=2, n_embd=16)
     torch.manual_seed(3)
     dense = DenseGPT(config)
-    model = GPT3D(config, grid=grid)
+    model = GPT3D(config, grid=grid, options=RuntimeOptions(grads_at_end=grads_at_end))
     model.load_dense_state_dict(dense.state_dict())
     engine, *_ = deepspeed_3d.initialize(model=model, config=ds_config(shape, stage, dp))
     opt = torch.optim.AdamW(dense.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -362,6 +364,12 @@ def test_gpt3d_zero2_2x2x1_dp2(tmp_path):
     for rank, r in enumerate(results):
         assert r["loss"] < TOL and r["norm"] < TOL, f"rank {rank}: GPT3D vs DenseGPT: {r}"
     assert results[0]["export_keys"] and results[0]["export_exact"], results[0]
+
+
+def test_gpt3d_zero2_grads_at_end_2x1x1_dp4(tmp_path):
+    results = harness.run(8, gpt_job, (2, 1, 1), 2, str(tmp_path), True)
+    for rank, r in enumerate(results):
+        assert r["loss"] < TOL and r["norm"] < TOL, f"rank {rank}: GPT3D (grads_at_end) vs DenseGPT: {r}"
 
 
 def test_bf16_zero_1_and_3_1x1x2_dp2():
