@@ -10,7 +10,7 @@ dB's reduce-scatter on a side stream (on CUDA) and gives autograd no gradient fo
 node's backward, which runs after every product's, makes the compute stream wait once for all of
 them and hands each weight its gradient. Autograd then accumulates them as usual (so DDP's and
 DeepSpeed's gradient hooks see them), as FSDP waits for its reduce-scatters once per backward.
-Gradients are bit-identical.
+Gradients are the same (bit-identical for a weight one product uses).
 
 Gradients started and not yet handed on are held by weight storage (``_pending``), so that a
 product's custom op, which sees tensors only, can leave its gradient for the node of its weight.
