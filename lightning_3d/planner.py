@@ -82,6 +82,9 @@ class Machine:
         eager_gated_passes: ``passes_fwd, passes_bwd`` added to gated (Llama-style: SwiGLU,
             RMSNorm, rotary embedding) blocks run eagerly; compiled blocks fuse them away.
         compiled_passes: ``passes_fwd, passes_bwd`` of blocks run through ``torch.compile``.
+        activation_fraction: the share of the activations an eager block keeps for backward that
+            a block keeps (1 eagerly; :func:`predict_job` uses ``compiled_activation_fraction`` for
+            compiled blocks, whose graphs recompute elementwise results instead of keeping them; fitted).
         optimizer_bytes: bytes moved per parameter shard and step by the gradient-norm clipping,
             the fused AdamW step (fp32 parameter, gradient and two moments), the fp32 gradient
             accumulation and the bf16 casts of the weights.
@@ -117,6 +120,8 @@ class Machine:
     compiled_job_gemm_efficiency: float = 0.72
     eager_gated_passes: tuple[float, float] = (10.0, 20.0)
     compiled_passes: tuple[float, float] = (4.0, 8.0)
+    activation_fraction: float = 1.0
+    compiled_activation_fraction: float = 0.7
     optimizer_bytes: float = 50.0
     logit_bytes: float = 52.0
     logit_memory_bytes: float = 12.0
@@ -394,7 +399,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     gathered = (lambda by: by) if save_gathered else (lambda by: 1)
     saved_w = weights / (py * pz) if save_gathered and px > 1 else 0.0  # gathered copies kept for backward
     norm_saved = 2 + (5 if pz > 1 else 0)  # the distributed normalize keeps fp32 x̂, rstd and the affine inputs
-    act = L * tokens * h / cube * (norm_saved + (shape.qkv_out + h) / h + shape.fc1_out / h  # norms, q/k/v and attention out, MLP input
+    act = m.activation_fraction * L * tokens * h / cube * (norm_saved + (shape.qkv_out + h) / h + shape.fc1_out / h  # norms, q/k/v and attention out, MLP input
                                    + 2 * gathered(py)  # qkv and fc1 inputs (gathered over y)
                                    + (1 + f / h) * gathered(pz))  # proj and fc2 inputs (gathered over z)
     transient = tokens * h / cube * 5  # the input block and the loss's fp32 copies
@@ -449,8 +454,9 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     passes = m.compiled_passes if compiled else (m.passes_fwd + m.eager_gated_passes[0] * shape.gated,
                                                   m.passes_bwd + m.eager_gated_passes[1] * shape.gated)
     efficiency = m.compiled_job_gemm_efficiency if compiled else m.job_gemm_efficiency
-    blocks = predict_3d(shape, grid, dp, replace(m, gemm_efficiency=efficiency, passes_fwd=passes[0], passes_bwd=passes[1]),
-                        save_gathered, async_tp)
+    activations = m.compiled_activation_fraction if compiled else m.activation_fraction
+    blocks = predict_3d(shape, grid, dp, replace(m, gemm_efficiency=efficiency, passes_fwd=passes[0], passes_bwd=passes[1],
+                                                 activation_fraction=activations), save_gathered, async_tp)
     c = _Collectives(grid, dp, m)
     rate, hbm = m.matmul_tflops * 1e12 * efficiency, m.hbm_GBps * 1e9
     tokens = shape.batch * shape.seq / dp  # per replica

@@ -188,8 +188,9 @@ def test_auto_resolves_with_a_given_machine():
 def test_whole_job_predictions_on_the_measured_jobs():
     """Every 3d case of the whole-job runs the calibration was fitted on: H100s with NVLink that
     recorded no links (priced with DEFAULT_MACHINE at each file's matmul rate; their compiled cases
-    ran the compiled block before it was fixed, and are not priced), and the 2-GPU runs with their
-    host's measured links, NVLink and P2P off; docs/benchmarks.md names the points off by more than 15%."""
+    ran the compiled block before it was fixed, and neither their steps nor their memory are
+    priced), and the 2-GPU runs with their host's measured links, NVLink and P2P off;
+    docs/benchmarks.md names the points off by more than 15%."""
     import json
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -204,7 +205,7 @@ def test_whole_job_predictions_on_the_measured_jobs():
     eager = [p for p in points if "compile" not in p["case"]]
     assert len(eager) == 49 and sum(abs(p["step_err"]) <= 0.15 for p in eager) >= 43  # the misses: GPT-2's cube grids
     assert max(abs(p["step_err"]) for p in eager if p["model"].startswith("llama")) < 0.15
-    assert sum(abs(p["mem_err"]) <= 0.15 for p in points) >= 77
+    assert sum(abs(p["mem_err"]) <= 0.15 for p in eager) >= 48
     measured = {}
     for links in ("nvlink", "p2p-off"):
         with open(os.path.join(measured_dir, f"machine_{links}.json")) as f:
@@ -213,6 +214,25 @@ def test_whole_job_predictions_on_the_measured_jobs():
     assert len(points) == 16 and not skipped and sum(p["links"] == "p2p-off" for p in points) == 8
     assert max(abs(p["step_err"]) for p in points) < 0.15 and max(abs(p["mem_err"]) for p in points) < 0.15
     assert all(c["loss"] == 0.0 for c in check_job_planner.choices(points))  # the measured fastest grid, both link types
+
+
+def test_compiled_peak_memory_on_the_latest_runs():
+    """The peaks of compiled blocks (which keep about 0.7 of what eager blocks keep for backward,
+    ``Machine.compiled_activation_fraction``) in the runs on the current compiled block: within 15%
+    except 4×1×1 re-gathering its weights (over-priced by up to 22%) and GPT-2 1×1×1 dp2 (under by 16%)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import check_job_planner
+
+    results = os.path.join(ROOT, "benchmarks", "results")
+    runs = ("h100x4-regather", "h100x4-regather-z", "h100x2-qkv-runs", "h100x2-qkv-apart", "h200x4-ahead-ad", "h200x4-ahead-ae",
+            "h100x4-ahead-af", "h100x4-bf16-peers-ag", "h100x4-exposed-ah", "h200x4-late-ai")
+    files = sorted(f for d in runs for f in glob.glob(os.path.join(results, f"2026-11-27-{d}", "**", "job_*.json"), recursive=True))
+    points, _ = check_job_planner.rows(files)
+    compiled = [p for p in points if "compile" in p["case"]]
+    misses = [p for p in compiled if abs(p["mem_err"]) > 0.15]
+    assert len(compiled) == 69 and len(misses) <= 6, [(p["case"], p["mem_err"]) for p in misses]
+    assert all(("4x1x1" in p["case"] and "regather" in p["case"]) or "1x1x1 dp2" in p["case"] for p in misses), misses
+    assert max(abs(p["mem_err"]) for p in compiled) < 0.22
 
 
 def test_whole_job_predictions_and_picks_on_the_latest_runs():
