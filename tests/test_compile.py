@@ -89,10 +89,11 @@ def compiled_autocast_job(grid):
     return _compiled(_compiled_against_eager(model, run), breaks_allowed=False)
 
 
-def compiled_checkpointing_job(grid):
-    """Compiled and recomputed blocks with dropout: the loss and gradients of the eager model with the same masks."""
+def compiled_checkpointing_job(grid, grads_at_end=False):
+    """Compiled and recomputed blocks with dropout: the loss and gradients of the eager model with the same masks
+    (with ``grads_at_end``, both leave the weight gradients for the end of backward)."""
     _fresh_compiler()
-    _, model = pair(grid, config("llama", dropout=0.2), 3)
+    _, model = pair(grid, config("llama", dropout=0.2), 3, options=RuntimeOptions(grads_at_end=grads_at_end))
     idx, targets = batch(grid, 4)
 
     def run(compiled):
@@ -121,3 +122,4 @@ def test_compiled_gpt3d_under_autocast_matches_eager():
 
 def test_compiled_blocks_with_checkpointing_and_dropout():
     assert_close(harness.run(4, on_grids, [(1, 2, 1), (1, 1, 1)], compiled_checkpointing_job), tol=1e-9)
+    assert_close(harness.run(4, on_grids, [(2, 1, 1)], compiled_checkpointing_job, True), tol=1e-9)

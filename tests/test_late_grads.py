@@ -2,8 +2,8 @@
 backward and handed to autograd once, at its end.
 
 GPT3D with it equals DenseGPT (float64: loss and every gradient) on grids with px > 1, also with
-weights re-gathered and prefetched, and with blocks recomputed in backward (compiled:
-``test_compile.py``); the block weights' gradients
+weights re-gathered and prefetched, and with blocks recomputed in backward (compiled, also
+recomputed: ``test_compile.py``); the block weights' gradients
 really arrive at the end, eager and compiled (none is set when the embedding's output gradient is
 computed, as each is without the option);
 gradients accumulate over micro-batches; DDP over dp reduces them as without the option; and a
