@@ -122,20 +122,24 @@ def kernel_timeline(trace_path: str) -> dict:
     with opener(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
     moving, computing, other = [], [], []
+    by_collective: dict[str, list[tuple[float, float]]] = {}
     by_name: dict[str, float] = {}
     by_kind: dict[str, list] = {}
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             span = (e["ts"], e["ts"] + e["dur"])
-            (moving if _is_comm(e) else other if e["cat"] == "gpu_memset" else computing).append(span)
+            if _is_comm(e):
+                moving.append(span)
+                by_collective.setdefault(_collective(e["name"]), []).append(span)
+            else:
+                (other if e["cat"] == "gpu_memset" else computing).append(span)
             by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"] / 1e3
             kind = by_kind.setdefault(kernel_kind(e), [0.0, 0])
             kind[0] += e["dur"] / 1e3
             kind[1] += 1
     moving_u, computing_u = _union(moving), _union(computing)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
-    exposed_by_collective = {name: round(_minus(_union(spans), computing_u) / 1e3, 3)
-                             for name, spans in _comm_by_collective(events).items()}
+    exposed_by_collective = {name: round(_minus(_union(spans), computing_u) / 1e3, 3) for name, spans in by_collective.items()}
     return {"exposed_comm_ms": _minus(moving_u, computing_u) / 1e3, "comm_ms": _length(moving_u) / 1e3,
             "exposed_by_collective_ms": exposed_by_collective,
             "busy_ms": _length(_union(moving + computing + other)) / 1e3, "kernels": len(moving) + len(computing) + len(other),
@@ -146,17 +150,11 @@ def kernel_timeline(trace_path: str) -> dict:
 COLLECTIVES = ("AllGather", "ReduceScatter", "AllReduce", "SendRecv", "Broadcast")
 
 
-def _comm_by_collective(events: list) -> dict[str, list[tuple[float, float]]]:
-    """The communication spans of a trace by collective: an NCCL kernel's op and dtype as named
-    (``AllGather``, ``ReduceScatter_Sum_bf16``, ...), and ``copy or barrier`` for the rest."""
-    out: dict[str, list[tuple[float, float]]] = {}
-    for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e and _is_comm(e):
-            name = e.get("name", "")
-            op = next((name[name.index(c):].split("(")[0].split("_RING")[0].split("_TREE")[0] for c in COLLECTIVES if c in name),
-                      "copy or barrier")
-            out.setdefault(op, []).append((e["ts"], e["ts"] + e["dur"]))
-    return out
+def _collective(name: str) -> str:
+    """A communication kernel's collective: an NCCL kernel's op and dtype as named (``AllGather``,
+    ``ReduceScatter_Sum_bf16``, ...), ``copy or barrier`` for the rest."""
+    return next((name[name.index(c):].split("(")[0].split("_RING")[0].split("_TREE")[0] for c in COLLECTIVES if c in name),
+                "copy or barrier")
 
 
 def nccl_kernels(trace_path: str) -> dict[str, list[tuple[float, float]]]:

@@ -39,21 +39,6 @@ class _PrefetchWhenEnabled:
             self.prefetch.__exit__()
 
 
-class _GradsAtEndWhenEnabled:
-    """Enters a fresh :class:`WeightGradsAtEnd` of ``weights()`` around each forward while ``options.grads_at_end`` is on."""
-
-    def __init__(self, options: RuntimeOptions, weights: Callable[[], list]):
-        self.options, self.weights, self.entered = options, weights, []
-
-    def enter(self, module, args) -> None:
-        self.entered.append(WeightGradsAtEnd(self.weights()).__enter__() if self.options.grads_at_end else None)
-
-    def leave(self, module, args, output) -> None:
-        entered = self.entered.pop()
-        if entered is not None:
-            entered.__exit__(None, None, None)
-
-
 class _EachForward:
     """Enters a fresh context, ``make()``, around each forward of the module (nested calls nest)."""
 
@@ -61,7 +46,9 @@ class _EachForward:
         self.make, self.entered = make, []
 
     def enter(self, module: nn.Module, args) -> None:
-        self.entered.append(self.make().__enter__())
+        context = self.make()
+        context.__enter__()
+        self.entered.append(context)
 
     def leave(self, module, args, output) -> None:
         self.entered.pop().__exit__(None, None, None)
@@ -76,13 +63,13 @@ def _gathered_weights(layers: list[Module3D], grid: Grid) -> list:
     """The weights ``layers`` hold that 3-D products gather over x (none when x has one rank)."""
     if grid.size("x") == 1:
         return []
-    return [p for layer in layers for p in layer.parameters(recurse=False)
-            if p.dim() > 1 and get_spec(p) is not None and "x" in sum(get_spec(p).dims, ())]
+    specs = [(p, get_spec(p)) for layer in layers for p in layer.parameters(recurse=False) if p.dim() > 1]
+    return [p for p, spec in specs if spec is not None and "x" in sum(spec.dims, ())]
 
 
 def attach_model_hooks(model: nn.Module, plan: Plan, grid: Grid, options: RuntimeOptions) -> None:
-    """Register the plan's ``before_forward`` / ``after_forward``, the prefetch switch, the
-    replica-gradient sum and the deferred token checks on ``model``. The contexts are entered before
+    """Register the plan's ``before_forward`` / ``after_forward``, the prefetch and
+    ``grads_at_end`` switches, the replica-gradient sum and the deferred token checks on ``model``. The contexts are entered before
     ``before_forward`` runs, so that its token checks defer too and an error it raises leaves each
     as entered (PyTorch runs ``always_call`` hooks then); the token checks are read last."""
     tokens = _EachForward(DeferredTokenChecks)
@@ -91,7 +78,8 @@ def attach_model_hooks(model: nn.Module, plan: Plan, grid: Grid, options: Runtim
     # takes the host 0.13 ms); a layer added later sums its own gradients, as one outside a model does.
     layers = [m for m in model.modules() if isinstance(m, Module3D)]
     replicated = _EachForward(lambda: ReplicatedGradsAtOnce(grid, _replicated_uses(layers)))
-    grads_at_end = _GradsAtEndWhenEnabled(options, lambda: _gathered_weights(layers, grid))
+    grads_at_end = _EachForward(lambda: WeightGradsAtEnd(_gathered_weights(layers, grid)) if options.grads_at_end
+                                else contextlib.nullcontext())
     for entered in (tokens, prefetch, replicated, grads_at_end):
         model.register_forward_pre_hook(entered.enter)
     if plan.before_forward is not None:
