@@ -386,3 +386,37 @@ def fused_linear_job(grid):
 
 def test_fused_linear3d():
     assert_close(harness.run(8, on_grids, GRIDS_8, fused_linear_job))
+
+
+def map_groups_job(grid):
+    """``FusedLinear3D.map_groups(x, fn)`` equals ``fn`` of the dense output's chunks, for a ``fn``
+    that mixes the groups feature by feature; ``fn`` gets each group as a view ``[..., px, f]`` of
+    the product, its groups interleaved (row stride ``groups·f``), not a copy in the packed order."""
+    errs = {}
+    n, k, groups = 8, 12, 3
+    mix = lambda a, b, c: torch.sigmoid(a) * b - c * c  # noqa: E731
+    for layout, out_layout in (("z", "y"), ("y", "z")):
+        torch.manual_seed(16)
+        dense = torch.nn.Linear(n, groups * k).to(F64)
+        mod = FusedLinear3D(n, k, groups, input_layout=layout, grid=grid, dtype=F64)
+        mod.load_dense_state_dict(dense.state_dict())
+        torch.manual_seed(seed_for(grid, 17))
+        x_full = torch.randn(B, 3, n, dtype=F64).requires_grad_()
+        y_ref = mix(*dense(x_full).chunk(groups, -1))
+        w = torch.randn_like(y_ref)
+        (y_ref * w).sum().backward()
+        x = local(x_full.detach(), layout, grid).clone().requires_grad_()
+        seen = []
+        y = mod.map_groups(x, lambda *parts: seen.extend(parts) or mix(*parts))
+        errs[f"{layout}_views"] = float(len(seen) != groups or any(
+            p._base is not seen[0]._base or p.shape[-2] != grid.size("x") or p.stride(-2) != groups * p.shape[-1] for p in seen))
+        (y * local(w, out_layout, grid)).sum().backward()
+        errs[f"{layout}_out"] = rel(y.detach(), local(y_ref.detach(), out_layout, grid))
+        errs[f"{layout}_dx"] = rel(x.grad, local(x_full.grad, layout, grid))
+        grads = grads_as_dense(mod)
+        errs.update({f"{layout}_d{name}": rel(grads[name], p.grad) for name, p in dense.named_parameters()})
+    return errs
+
+
+def test_fused_linear3d_map_groups():
+    assert_close(harness.run(8, on_grids, GRIDS_8, map_groups_job))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -73,16 +73,30 @@ class FusedLinear3D(Module3D):
         return shapes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The x all-gather stacked the weight blocks as [px, groups, out/(px·pr)]: put the groups
+        # outermost (a view when px = 1, one copy otherwise).
+        return self._product(x).transpose(-3, -2).flatten(-3)
+
+    def map_groups(self, x: torch.Tensor, fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """``fn(*self(x).chunk(groups, -1))`` for a ``fn`` that acts on each feature alone (SwiGLU's
+        ``silu(gate) · up``), ``[..., out/pr]``.
+
+        ``fn`` gets each group as the product leaves it, a strided view ``[..., px, out/(px·pr)]``,
+        and returns one tensor of that shape, which is flattened: the copy that puts the groups
+        outermost, and its gradient's copy, are not made. Like :meth:`forward_groups` it runs
+        outside the module's call."""
+        return fn(*self._product(x).unbind(-2)).flatten(-2)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        """The 3-D product ``[..., px, groups, out/(px·pr)]``: its columns in the order the x
+        all-gather stacks the weight blocks."""
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
-        directions = self._directions
         px = self.grid.size("x")
         bias = self._bias()
         if bias is not None:  # in the product's column order [px, groups, out/(px·pr)], added inside the GEMM
             bias = bias.unflatten(-1, (px, -1)).transpose(0, 1).flatten()
-        y = matmul_abt(x, self.weight.flatten(0, 1), directions, self.grid, self.options, bias)
-        # The x all-gather stacked the weight blocks as [px, groups, out/(px·pr)]: put the groups
-        # outermost (a view when px = 1, one copy otherwise).
-        return y.unflatten(-1, (px, self.groups, -1)).transpose(-3, -2).flatten(-3)
+        y = matmul_abt(x, self.weight.flatten(0, 1), self._directions, self.grid, self.options, bias)
+        return y.unflatten(-1, (px, self.groups, -1))
 
     def forward_groups(self, x: torch.Tensor, runs: Sequence[int]) -> tuple[torch.Tensor, ...]:
         """The output cut into runs of ``runs[i]`` consecutive groups (summing to ``groups``), each

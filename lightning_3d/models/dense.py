@@ -11,11 +11,14 @@ groups with their key/value heads. With ``tie_embeddings`` the head's weight is 
 
 Every module works on whatever part of the activation it is given, so the same code runs
 parallelized: attention views its input as ``-1`` heads of ``head_dim`` (the heads of a rank), the
-packed projections' outputs are split into their groups (``output_groups``, ``chunk``), and positions, the head and the loss are
+packed projections' outputs are split into their groups (``output_groups``, ``map_output_groups``), and positions, the head and the loss are
 modules a plan can replace.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -67,6 +70,18 @@ def output_groups(linear: nn.Module, x: torch.Tensor, runs: tuple[int, ...]) -> 
     return y.split([n * y.shape[-1] // sum(runs) for n in runs], -1)
 
 
+def map_output_groups(linear: nn.Module, x: torch.Tensor, groups: int, fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """``fn(*linear(x).chunk(groups, -1))`` for a ``fn`` that acts on each feature alone (SwiGLU).
+
+    A layer with ``map_groups`` (:class:`~lightning_3d.layers.FusedLinear3D`) hands ``fn`` the
+    groups where its product leaves them, so that they are not first copied into the packed order.
+    """
+    map_groups = getattr(linear, "map_groups", None)
+    if map_groups is not None:
+        return map_groups(x, fn)
+    return fn(*linear(x).chunk(groups, -1))
+
+
 class DenseAttention(nn.Module):
     def __init__(self, config: GPTConfig, **factory):
         super().__init__()
@@ -87,15 +102,14 @@ class DenseAttention(nn.Module):
 class DenseMLP(nn.Module):
     def __init__(self, config: GPTConfig, **factory):
         super().__init__()
-        self.style = config.style
-        fused = 2 if config.style == "llama" else 1
-        self.c_fc = nn.Linear(config.n_embd, fused * config.ffn_hidden, bias=config.bias, **factory)
+        self.groups = 2 if config.style == "llama" else 1  # llama: gate and up
+        self.activation = functools.partial(mlp_activation, config.style)
+        self.c_fc = nn.Linear(config.n_embd, self.groups * config.ffn_hidden, bias=config.bias, **factory)
         self.c_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias, **factory)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self.c_fc(x).chunk(2, -1) if self.style == "llama" else (self.c_fc(x),)
-        return self.dropout(self.c_proj(mlp_activation(self.style, *parts)))
+        return self.dropout(self.c_proj(map_output_groups(self.c_fc, x, self.groups, self.activation)))
 
 
 class DenseBlock(nn.Module):
