@@ -116,7 +116,8 @@ def kernel_kind(event: dict) -> str:
 
 def kernel_timeline(trace_path: str) -> dict:
     """From a chrome trace: ms of GPU time with communication running and no compute kernel
-    (exposed communication, also by collective), of anything running (busy), of communication in all, the summed
+    (exposed communication, also by collective), of anything running (busy), of nothing running
+    between the first and last kernel (idle, and its longest gaps with the kernels on either side), of communication in all, the summed
     time and count of kernels of each :func:`kernel_kind`, and the longest kernels by name."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
@@ -125,9 +126,11 @@ def kernel_timeline(trace_path: str) -> dict:
     by_collective: dict[str, list[tuple[float, float]]] = {}
     by_name: dict[str, float] = {}
     by_kind: dict[str, list] = {}
+    kernels = []  # (start, end, name) of every GPU event
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
             span = (e["ts"], e["ts"] + e["dur"])
+            kernels.append((*span, e["name"][:60]))
             if _is_comm(e):
                 moving.append(span)
                 by_collective.setdefault(_collective(e["name"]), []).append(span)
@@ -138,13 +141,23 @@ def kernel_timeline(trace_path: str) -> dict:
             kind[0] += e["dur"] / 1e3
             kind[1] += 1
     moving_u, computing_u = _union(moving), _union(computing)
+    busy = _union(moving + computing + other)
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
     exposed_by_collective = {name: round(_minus(_union(spans), computing_u) / 1e3, 3) for name, spans in by_collective.items()}
     return {"exposed_comm_ms": _minus(moving_u, computing_u) / 1e3, "comm_ms": _length(moving_u) / 1e3,
             "exposed_by_collective_ms": exposed_by_collective,
-            "busy_ms": _length(_union(moving + computing + other)) / 1e3, "kernels": len(moving) + len(computing) + len(other),
+            "busy_ms": _length(busy) / 1e3, "idle_ms": (busy[-1][1] - busy[0][0] - _length(busy)) / 1e3 if busy else 0.0,
+            "longest_idle_ms": _longest_gaps(busy, kernels, 5), "kernels": len(moving) + len(computing) + len(other),
             "by_kind_ms_count": {k: [round(ms, 3), n] for k, (ms, n) in sorted(by_kind.items())},
             "top_kernels_ms": [[name, round(ms, 3)] for name, ms in top]}
+
+
+def _longest_gaps(busy: list[tuple[float, float]], kernels: list[tuple[float, float, str]], n: int) -> list[list]:
+    """The ``n`` longest spans in which the GPU ran nothing: ``[ms, kernel that ended, kernel that started]``."""
+    ends = {round(e, 3): name for _, e, name in kernels}
+    starts = {round(s, 3): name for s, _, name in kernels}
+    gaps = sorted(((b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:])), reverse=True)[:n]
+    return [[round(g / 1e3, 3), ends.get(round(e, 3), "?"), starts.get(round(s, 3), "?")] for g, e, s in gaps]
 
 
 COLLECTIVES = ("AllGather", "ReduceScatter", "AllReduce", "SendRecv", "Broadcast")

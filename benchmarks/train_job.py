@@ -36,7 +36,7 @@ trains (it collects every ``gc_freq`` steps instead): collections inside steps m
 timeline of two more steps on rank 0 (busy time, communication, communication not hidden by
 compute, the longest kernels) and, from every rank's trace, how long each rank's NCCL kernels
 waited for the last rank to arrive (``peer_waits``: ranks drifting apart) against how long they
-moved data. Reported per case: median step ms over the timed steps (CUDA events, max over ranks),
+moved data, and every rank's busy, idle and exposed time (``by_rank``). Reported per case: median step ms over the timed steps (CUDA events, max over ranks),
 tokens/s, TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
 (``max_memory_allocated`` during the steps above what was allocated before the model was built,
 max over ranks), the first step's time (compilation included) and the loss of the first three
@@ -92,6 +92,7 @@ MODELS = {
 }
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 LOSS_STEPS = 3
+RANK_TIMELINE = ("busy_ms", "idle_ms", "exposed_comm_ms", "exposed_by_collective_ms", "longest_idle_ms")  # of every rank's profile
 
 DEFAULT_CASES = {
     4: ["3d 1x4x1 async", "3d 4x1x1", "3d 2x2x1", "3d auto", "3d auto async", "tp-sp compile async", "tp-sp compile",
@@ -379,6 +380,8 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
         every_rank = [None] * run.world
         dist.all_gather_object(every_rank, measure.nccl_kernels(trace))
         timeline["peer_waits"] = measure.peer_waits(every_rank)
+        dist.all_gather_object(every_rank, {k: timeline[k] for k in RANK_TIMELINE})
+        timeline["by_rank"] = every_rank
     gc.enable()
     peak = (torch.cuda.max_memory_allocated(run.device) - base) / 2**30 if cuda else 0.0
     loss_t = torch.stack(losses).to(run.device)

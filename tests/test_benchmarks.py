@@ -74,6 +74,7 @@ def test_train_job_smoke_on_cpu(tmp_path):
     _check_same_job(data, labels)
     profile = data["cases"][0]["profile_rank0_2_steps"]  # on CPU no GPU kernels: the plumbing, with zero time
     assert profile["kernels"] == 0 and profile["peer_waits"] == {"waited_ms": [0.0, 0.0], "moving_ms": [0.0, 0.0], "collectives": 0}
+    assert [rank["busy_ms"] for rank in profile["by_rank"]] == [0.0, 0.0]
     assert data["cases"][labels.index("3d auto")]["picks"].startswith("3d ")
     assert data["meta"]["tokens_per_step"] == 8 * 16 and data["meta"]["flops_per_step"] > 0
     assert all(link["busbw_GBps"] > 0 for link in data["meta"]["machine"]["intra"]["all_reduce"].values())  # measured links
@@ -168,6 +169,9 @@ def test_profile_timelines_from_traces(tmp_path):
     timeline = measure.kernel_timeline(r0)
     assert timeline["by_kind_ms_count"]["communication"] == [0.075, 3] and timeline["by_kind_ms_count"]["matmul"] == [0.06, 1]
     assert abs(timeline["exposed_comm_ms"] - 0.045) < 1e-9 and abs(timeline["busy_ms"] - 0.105) < 1e-9
+    # nothing runs 1180–1300 and 1320–1400: idle 0.2 ms, the longest gap first, with its kernels
+    assert abs(timeline["idle_ms"] - 0.2) < 1e-9
+    assert timeline["longest_idle_ms"] == [[0.12, "nvjet_gemm", gather], [0.08, gather, reduce]]
     # gathers: 1100–1120 and 1300–1320 exposed, the GEMM covers the rest; the all-reduce all of its 5 µs
     assert timeline["exposed_by_collective_ms"] == {"AllGather": 0.04, "AllReduce_Sum_f32": 0.005}
     waits = measure.peer_waits([measure.nccl_kernels(r0), measure.nccl_kernels(r1)])
