@@ -87,6 +87,8 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
 
 # Names of the kernels that move data between GPUs or wait for peers: NCCL's, and the barrier,
 # signal and spin kernels of PyTorch's symmetric-memory pipelines.
+TOP_KERNELS = 40  # the longest kernels by name a timeline lists
+
 COMM_KERNELS = ("nccl", "barrier", "signal", "spin_kernel")
 
 
@@ -118,13 +120,13 @@ def kernel_timeline(trace_path: str) -> dict:
     """From a chrome trace: ms of GPU time with communication running and no compute kernel
     (exposed communication, also by collective), of anything running (busy), of nothing running
     between the first and last kernel (idle, and its longest gaps with the kernels on either side), of communication in all, the summed
-    time and count of kernels of each :func:`kernel_kind`, and the longest kernels by name."""
+    time and count of kernels of each :func:`kernel_kind`, and the longest kernels by name (ms, count)."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
     moving, computing, other = [], [], []
     by_collective: dict[str, list[tuple[float, float]]] = {}
-    by_name: dict[str, float] = {}
+    by_name: dict[str, list] = {}  # name → [ms, count]
     by_kind: dict[str, list] = {}
     kernels = []  # (start, end, name) of every GPU event
     for e in events:
@@ -136,20 +138,22 @@ def kernel_timeline(trace_path: str) -> dict:
                 by_collective.setdefault(_collective(e["name"]), []).append(span)
             else:
                 (other if e["cat"] == "gpu_memset" else computing).append(span)
-            by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"] / 1e3
+            named = by_name.setdefault(e["name"][:80], [0.0, 0])
+            named[0] += e["dur"] / 1e3
+            named[1] += 1
             kind = by_kind.setdefault(kernel_kind(e), [0.0, 0])
             kind[0] += e["dur"] / 1e3
             kind[1] += 1
     moving_u, computing_u = _union(moving), _union(computing)
     busy = _union(moving + computing + other)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     exposed_by_collective = {name: round(_minus(_union(spans), computing_u) / 1e3, 3) for name, spans in by_collective.items()}
     return {"exposed_comm_ms": _minus(moving_u, computing_u) / 1e3, "comm_ms": _length(moving_u) / 1e3,
             "exposed_by_collective_ms": exposed_by_collective,
             "busy_ms": _length(busy) / 1e3, "idle_ms": (busy[-1][1] - busy[0][0] - _length(busy)) / 1e3 if busy else 0.0,
             "longest_idle_ms": _longest_gaps(busy, kernels, 5), "kernels": len(moving) + len(computing) + len(other),
             "by_kind_ms_count": {k: [round(ms, 3), n] for k, (ms, n) in sorted(by_kind.items())},
-            "top_kernels_ms": [[name, round(ms, 3)] for name, ms in top]}
+            "top_kernels_ms": [[name, round(ms, 3), n] for name, (ms, n) in top]}
 
 
 def _longest_gaps(busy: list[tuple[float, float]], kernels: list[tuple[float, float, str]], n: int) -> list[list]:
