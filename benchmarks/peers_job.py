@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from lightning_3d.models import GPTConfig
-from lightning_3d.models.attention import causal_attention, rope_tables
+from lightning_3d.models.attention import apply_rope, causal_attention, rope_tables
 from lightning_3d.models.dense import norm
 from lightning_3d.models.mlp import mlp_activation
 
@@ -50,7 +50,10 @@ class PeerAttention(nn.Module):
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(h, out, bias=config.bias, **factory) for out in (h, kv, kv, h))
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        return self.wo(causal_attention(self.wq(x), self.wk(x), self.wv(x), self.head_dim, rope))
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (self.wq(x), self.wk(x), self.wv(x)))
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        return self.wo(causal_attention(q, k, v))
 
 
 class PeerFeedForward(nn.Module):

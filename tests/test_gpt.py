@@ -353,7 +353,8 @@ def test_dense_state_dict_roundtrip_across_grids():
 
 def fused_linear_job(grid):
     """FusedLinear3D equals nn.Linear(in, groups·out) chunked into groups, for both input layouts,
-    its output chunked and cut by ``forward_groups`` (on one rank: one contiguous output per run of groups)."""
+    its output chunked and cut by ``forward_groups`` (each group in px blocks, views of the product;
+    on one rank: one contiguous output per run of groups)."""
     errs = {}
     n, k, groups = 8, 12, 3
     for (layout, out_layout), split in itertools.product((("z", "y"), ("y", "z")), ("chunk", "groups")):
@@ -371,10 +372,14 @@ def fused_linear_job(grid):
             outputs = mod(x).chunk(groups, -1)
         else:  # runs of 2 groups and 1: the first cut in two
             errs["runs_checked"] = float("sum to 2, not to the 3 groups" not in value_error(lambda: mod.forward_groups(x, (1, 1))))
-            first, last = mod.forward_groups(x, (2, 1))
-            if grid.cube_size == 1:
+            first, last = mod.forward_groups(x, (2, 1))  # [..., P, run, k/P]
+            blocks = 1 if grid.cube_size == 1 else grid.size("x")
+            errs["runs_shaped"] = float(first.shape[-3:-1] != (blocks, 2) or last.shape[-3:-1] != (blocks, 1))
+            if grid.cube_size == 1:  # a product each
                 errs["runs_contiguous"] = float(not (first.is_contiguous() and last.is_contiguous()))
-            outputs = (*first.chunk(2, -1), last)
+            else:  # views of one product, not a copy in the packed order
+                errs["runs_views"] = float(first._base is None or first._base is not last._base)
+            outputs = tuple(t.select(-2, g).flatten(-2) for t in (first, last) for g in range(t.shape[-2]))
         y = torch.stack(outputs)
         (y * torch.stack([local(wg, out_layout, grid) for wg in w])).sum().backward()
         errs[f"{layout}_{split}_out"] = rel(y.detach(), torch.stack([local(yg, out_layout, grid) for yg in y_ref.detach()]))
@@ -388,35 +393,3 @@ def test_fused_linear3d():
     assert_close(harness.run(8, on_grids, GRIDS_8, fused_linear_job))
 
 
-def map_groups_job(grid):
-    """``FusedLinear3D.map_groups(x, fn)`` equals ``fn`` of the dense output's chunks, for a ``fn``
-    that mixes the groups feature by feature; ``fn`` gets each group as a view ``[..., px, f]`` of
-    the product, its groups interleaved (row stride ``groups·f``), not a copy in the packed order."""
-    errs = {}
-    n, k, groups = 8, 12, 3
-    mix = lambda a, b, c: torch.sigmoid(a) * b - c * c  # noqa: E731
-    for layout, out_layout in (("z", "y"), ("y", "z")):
-        torch.manual_seed(16)
-        dense = torch.nn.Linear(n, groups * k).to(F64)
-        mod = FusedLinear3D(n, k, groups, input_layout=layout, grid=grid, dtype=F64)
-        mod.load_dense_state_dict(dense.state_dict())
-        torch.manual_seed(seed_for(grid, 17))
-        x_full = torch.randn(B, 3, n, dtype=F64).requires_grad_()
-        y_ref = mix(*dense(x_full).chunk(groups, -1))
-        w = torch.randn_like(y_ref)
-        (y_ref * w).sum().backward()
-        x = local(x_full.detach(), layout, grid).clone().requires_grad_()
-        seen = []
-        y = mod.map_groups(x, lambda *parts: seen.extend(parts) or mix(*parts))
-        errs[f"{layout}_views"] = float(len(seen) != groups or any(
-            p._base is not seen[0]._base or p.shape[-2] != grid.size("x") or p.stride(-2) != groups * p.shape[-1] for p in seen))
-        (y * local(w, out_layout, grid)).sum().backward()
-        errs[f"{layout}_out"] = rel(y.detach(), local(y_ref.detach(), out_layout, grid))
-        errs[f"{layout}_dx"] = rel(x.grad, local(x_full.grad, layout, grid))
-        grads = grads_as_dense(mod)
-        errs.update({f"{layout}_d{name}": rel(grads[name], p.grad) for name, p in dense.named_parameters()})
-    return errs
-
-
-def test_fused_linear3d_map_groups():
-    assert_close(harness.run(8, on_grids, GRIDS_8, map_groups_job))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -77,16 +77,6 @@ class FusedLinear3D(Module3D):
         # outermost (a view when px = 1, one copy otherwise).
         return self._product(x).transpose(-3, -2).flatten(-3)
 
-    def map_groups(self, x: torch.Tensor, fn: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """``fn(*self(x).chunk(groups, -1))`` for a ``fn`` that acts on each feature alone (SwiGLU's
-        ``silu(gate) · up``), ``[..., out/pr]``.
-
-        ``fn`` gets each group as the product leaves it, a strided view ``[..., px, out/(px·pr)]``,
-        and returns one tensor of that shape, which is flattened: the copy that puts the groups
-        outermost, and its gradient's copy, are not made. Like :meth:`forward_groups` it runs
-        outside the module's call."""
-        return fn(*self._product(x).unbind(-2)).flatten(-2)
-
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         """The 3-D product ``[..., px, groups, out/(px·pr)]``: its columns in the order the x
         all-gather stacks the weight blocks."""
@@ -100,22 +90,24 @@ class FusedLinear3D(Module3D):
 
     def forward_groups(self, x: torch.Tensor, runs: Sequence[int]) -> tuple[torch.Tensor, ...]:
         """The output cut into runs of ``runs[i]`` consecutive groups (summing to ``groups``), each
-        ``[..., runs[i]·out/pr]``: ``self(x).split(...)``.
+        ``[..., px, runs[i], out/(px·pr)]``: the columns as the product leaves them, each group in
+        ``px`` blocks (``self(x)`` is ``y.transpose(-3, -2).flatten(-3)`` of them all, a copy when
+        px > 1). Code that works on each feature or head alone (SwiGLU, RoPE) reads the groups
+        there, so that neither they nor their gradients are copied into the packed order first.
 
         On a one-rank cube each run is a product of its own (its rows of the weight), so each
         output is contiguous, and backward takes each run's gradient as it comes instead of
         concatenating them into the packed layout first (attention's q, k and v gradients come
-        from separate kernels). On larger cubes, the pieces of one 3-D product. It runs outside
-        the module's call: forward hooks registered on the layer do not see it."""
+        from separate kernels). On larger cubes, views of one 3-D product. It runs outside the
+        module's call: forward hooks registered on the layer do not see it."""
         if sum(runs) != self.groups:
             raise ValueError(f"runs {list(runs)} sum to {sum(runs)}, not to the {self.groups} groups of {self.extra_repr()}")
         if self.grid.cube_size > 1:
-            y = self(x)
-            return y.split([n * y.shape[-1] // self.groups for n in runs], -1)
+            return self._product(x).split(list(runs), -2)
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
         bias, starts = self._bias(), itertools.accumulate(runs, initial=0)
         return tuple(matmul_abt(x, self.weight[start:start + n].flatten(0, 1), self._directions, self.grid, self.options,
-                                None if bias is None else bias[start:start + n].flatten())
+                                None if bias is None else bias[start:start + n].flatten()).unflatten(-1, (1, n, -1))
                      for start, n in zip(starts, runs))
 
     @property

@@ -20,21 +20,17 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None, dtype=to
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate ``x`` ``[b, s, heads, head_dim]`` by position."""
-    cos, sin = (t[: x.shape[1], None, :].to(x.dtype) for t in rope)
+    """Rotate ``x`` ``[b, s, ..., head_dim]`` by position (dim 1), each head on its own."""
+    cos, sin = (t[: x.shape[1]].view(x.shape[1], *[1] * (x.dim() - 3), -1).to(x.dtype) for t in rope)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rotated * sin
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
-                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Causal self-attention of ``q`` ``[b, s, heads·head_dim]`` and ``k, v`` ``[b, s, kv_heads·head_dim]``
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention of ``q`` ``[b, s, heads, head_dim]`` and ``k, v`` ``[b, s, kv_heads, head_dim]``
     → ``[b, s, heads·head_dim]``. With fewer key/value heads (grouped-query attention), query head
     ``i`` attends with key/value head ``i // (heads / kv_heads)``."""
-    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
-    if rope is not None:
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
     y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                        enable_gqa=q.shape[-2] != k.shape[-2])
     return y.transpose(1, 2).flatten(-2)

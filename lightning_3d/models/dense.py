@@ -11,19 +11,18 @@ groups with their key/value heads. With ``tie_embeddings`` the head's weight is 
 
 Every module works on whatever part of the activation it is given, so the same code runs
 parallelized: attention views its input as ``-1`` heads of ``head_dim`` (the heads of a rank), the
-packed projections' outputs are split into their groups (``output_groups``, ``map_output_groups``), and positions, the head and the loss are
+packed projections' outputs are split into their groups (``output_groups``), and positions, the head and the loss are
 modules a plan can replace.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from .attention import causal_attention, rope_tables
+from .attention import apply_rope, causal_attention, rope_tables
 from .config import GPTConfig
 from .init import init_dense_tensor_
 from .mlp import mlp_activation
@@ -56,30 +55,20 @@ def norm(config: GPTConfig, **factory) -> nn.Module:
 
 
 def output_groups(linear: nn.Module, x: torch.Tensor, runs: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """A packed projection's output ``linear(x)`` cut into runs of ``runs[i]`` of its ``sum(runs)``
-    equal groups (query slots, k, v).
+    """A packed projection's output ``linear(x)`` ``[..., G·out]`` cut into runs of ``runs[i]`` of its
+    ``G = sum(runs)`` equal groups (query slots, k, v; gate, up), each ``[..., P, runs[i], out/P]``:
+    every group's output as ``P`` consecutive blocks.
 
-    A layer with ``forward_groups`` (:class:`~lightning_3d.layers.FusedLinear3D`) makes them
-    itself: on one rank, one product per run, whose backward takes each run's gradient as it
+    A plain layer gives ``P = 1``, views of its output. A layer with ``forward_groups``
+    (:class:`~lightning_3d.layers.FusedLinear3D`) gives the groups where its product leaves them
+    (``P = px``), so that per-feature and per-head work reads them without a copy into the packed
+    order; on one rank, one product per run, whose backward takes each run's gradient as it
     comes, where the pieces of one output would have their gradients concatenated first.
     """
     forward_groups = getattr(linear, "forward_groups", None)
     if forward_groups is not None:
         return forward_groups(x, runs)
-    y = linear(x)
-    return y.split([n * y.shape[-1] // sum(runs) for n in runs], -1)
-
-
-def map_output_groups(linear: nn.Module, x: torch.Tensor, groups: int, fn: Callable[..., torch.Tensor]) -> torch.Tensor:
-    """``fn(*linear(x).chunk(groups, -1))`` for a ``fn`` that acts on each feature alone (SwiGLU).
-
-    A layer with ``map_groups`` (:class:`~lightning_3d.layers.FusedLinear3D`) hands ``fn`` the
-    groups where its product leaves them, so that they are not first copied into the packed order.
-    """
-    map_groups = getattr(linear, "map_groups", None)
-    if map_groups is not None:
-        return map_groups(x, fn)
-    return fn(*linear(x).chunk(groups, -1))
+    return linear(x).unflatten(-1, (1, sum(runs), -1)).split(list(runs), -2)
 
 
 class DenseAttention(nn.Module):
@@ -92,11 +81,16 @@ class DenseAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        r = self.queries_per_kv
-        q, k, v = output_groups(self.c_attn, x, (r, 1, 1))  # [b, s, r·kv_heads·d]: r query slots; k, v
-        # query head (t, g) of slot g, key/value head t → order t·r + g, the order causal_attention pairs
-        q = q.unflatten(-1, (r, -1, self.head_dim)).transpose(-3, -2).flatten(-3)
-        return self.resid_dropout(self.c_proj(causal_attention(q, k, v, self.head_dim, rope)))
+        r, d = self.queries_per_kv, self.head_dim
+        parts = output_groups(self.c_attn, x, (r, 1, 1))  # [b, s, P, run, kv_heads·d/P]: r query slots; k; v
+        if parts[0].shape[-1] % d:  # a block cuts a head (P does not divide the key/value heads): join the blocks
+            parts = [t.movedim(-3, -2).flatten(-2).unsqueeze(-3) for t in parts]
+        q, k, v = (t.unflatten(-1, (-1, d)) for t in parts)  # [b, s, P, run, kv_heads/P, d]
+        if rope is not None:  # each head on its own, before the heads are put in order: one pass over q and k
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # key/value head t = (block, t'); query head (t, g) of slot g → order t·r + g, the order causal_attention pairs
+        q = q.transpose(-3, -2)
+        return self.resid_dropout(self.c_proj(causal_attention(*(t.flatten(2, -2) for t in (q, k, v)))))
 
 
 class DenseMLP(nn.Module):
@@ -109,7 +103,8 @@ class DenseMLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(map_output_groups(self.c_fc, x, self.groups, self.activation)))
+        (gate_up,) = output_groups(self.c_fc, x, (self.groups,))  # [..., P, groups, ffn/P]
+        return self.dropout(self.c_proj(self.activation(*gate_up.unbind(-2)).flatten(-2)))
 
 
 class DenseBlock(nn.Module):
