@@ -383,7 +383,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
 
     local = tokens * h / cube  # elements of a local [tokens, hidden] activation
     ln_extra = 8.0 if pz > 1 else 0.0  # the distributed normalize's fp32 passes against the fused kernel
-    regroup = 3.0 if px > 1 else 0.0  # FusedLinear3D reorders q, k, v after the x gather
+    regroup = 3.0 if px > 1 else 0.0  # q, k, v copied into head order after the x gather
     hbm = m.hbm_GBps * 1e9
     t_mem_fwd = local * BYTES * (m.passes_fwd + ln_extra + regroup) / hbm
     t_mem_bwd = local * BYTES * (m.passes_bwd + 1.5 * ln_extra + regroup) / hbm

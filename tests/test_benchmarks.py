@@ -66,6 +66,15 @@ def _check_same_job(data: dict, labels: list[str]) -> None:
     assert len(set(round(v, 3) for v in reference)) > 1  # the optimizer steps change the loss
 
 
+def test_group_order_micro_benchmark_on_cpu():
+    """Both orders of putting heads in order and rotating give the same q, k, v; every case is timed."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_group_order.py"), "--cpu", "--iters", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert len(re.findall(r"forward \d+\.\d+ ms   forward \+ backward \d+\.\d+ ms", proc.stdout)) == 4, proc.stdout
+    assert "largest difference between the two orders: 0" in proc.stdout, proc.stdout
+
+
 def test_train_job_smoke_on_cpu(tmp_path):
     """The whole-job benchmark on 2 ranks: every 3-D grid (auto, async) and each eager peer train the same model alike."""
     labels = ["3d 2x1x1", "3d 2x1x1 late", "3d 1x2x1 async", "3d 1x1x2", "3d 1x1x1 dp2", "3d auto", "tp-sp", "tp", "fsdp2", "ddp",
