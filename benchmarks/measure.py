@@ -85,10 +85,10 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     return total
 
 
-# Names of the kernels that move data between GPUs or wait for peers: NCCL's, and the barrier,
-# signal and spin kernels of PyTorch's symmetric-memory pipelines.
 TOP_KERNELS = 40  # the longest kernels by name a timeline lists
 
+# Names of the kernels that move data between GPUs or wait for peers: NCCL's, and the barrier,
+# signal and spin kernels of PyTorch's symmetric-memory pipelines.
 COMM_KERNELS = ("nccl", "barrier", "signal", "spin_kernel")
 
 
