@@ -22,6 +22,8 @@ OUT=${OUT:-out}
 BUDGET_S=${BUDGET_S:-200}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# the caching allocator as torchtitan's launcher sets it, for every method alike
+export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 MODELS="gpt2-1.3b llama-7b"
 P2P_CASES="3d 1x2x1 dp2;3d 4x1x1;3d 2x2x1;3d auto;tp-sp compile;fsdp2 compile;3d 1x1x1 dp4;3d 2x1x1 dp2;3d 1x4x1;fsdp2-tp 2x2 compile;ddp;tp-sp;fsdp2;tp"
 COMPILE4_llama="3d 1x4x1 async compile;fsdp2 compile;3d 1x4x1 async;3d 4x1x1 compile;3d 2x2x1 compile;fsdp2;3d 1x4x1 compile;3d 2x2x1 async compile"

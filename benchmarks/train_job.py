@@ -485,6 +485,7 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": os.environ.get("BENCH_COMMIT", ""), "argv": sys.argv, "links": args.links,
             "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""),
+            "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
             "gpu_GiB": None if cpu else torch.cuda.get_device_properties(run.device).total_memory / 2**30, "warmup": warmup, "steps": steps,
             "model": name, "config": dataclasses.asdict(config), "params": n_params, "batch": batch, "seq": seq,
             "tokens_per_step": batch * seq, "flops_per_step": flops, "matmul_tflops": matmul,

@@ -86,6 +86,7 @@ def test_train_job_smoke_on_cpu(tmp_path):
     assert [rank["busy_ms"] for rank in profile["by_rank"]] == [0.0, 0.0]
     assert data["cases"][labels.index("3d auto")]["picks"].startswith("3d ")
     assert data["meta"]["tokens_per_step"] == 8 * 16 and data["meta"]["flops_per_step"] > 0
+    assert isinstance(data["meta"]["alloc_conf"], str)  # the caching allocator's settings are recorded
     assert all(link["busbw_GBps"] > 0 for link in data["meta"]["machine"]["intra"]["all_reduce"].values())  # measured links
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import job_report
