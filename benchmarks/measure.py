@@ -116,9 +116,13 @@ def kernel_kind(event: dict) -> str:
     return next((kind for kind, words in KERNEL_KINDS if any(w in name for w in words)), "other")
 
 
+MOST_EXPOSED = 12  # the collectives reported one by one, most exposed first
+
+
 def kernel_timeline(trace_path: str) -> dict:
     """From a chrome trace: ms of GPU time with communication running and no compute kernel
-    (exposed communication, also by collective), of anything running (busy), of nothing running
+    (exposed communication, also by collective, and the most exposed collectives one by one as
+    ``[collective, k-th of its name in the trace, exposed ms, ms]``), of anything running (busy), of nothing running
     between the first and last kernel (idle, and its longest gaps with the kernels on either side), of communication in all, the summed
     time and count of kernels of each :func:`kernel_kind`, and the longest kernels by name (ms, count)."""
     opener = gzip.open if trace_path.endswith(".gz") else open
@@ -148,8 +152,11 @@ def kernel_timeline(trace_path: str) -> dict:
     busy = _union(moving + computing + other)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     exposed_by_collective = {name: round(_minus(_union(spans), computing_u) / 1e3, 3) for name, spans in by_collective.items()}
+    each_exposed = [[name, k, round(_minus([span], computing_u) / 1e3, 3), round((span[1] - span[0]) / 1e3, 3)]
+                    for name, spans in by_collective.items() for k, span in enumerate(sorted(spans))]
     return {"exposed_comm_ms": _minus(moving_u, computing_u) / 1e3, "comm_ms": _length(moving_u) / 1e3,
             "exposed_by_collective_ms": exposed_by_collective,
+            "most_exposed": sorted(each_exposed, key=lambda e: -e[2])[:MOST_EXPOSED],
             "busy_ms": _length(busy) / 1e3, "idle_ms": (busy[-1][1] - busy[0][0] - _length(busy)) / 1e3 if busy else 0.0,
             "longest_idle_ms": _longest_gaps(busy, kernels, 5), "kernels": len(moving) + len(computing) + len(other),
             "by_kind_ms_count": {k: [round(ms, 3), n] for k, (ms, n) in sorted(by_kind.items())},

@@ -10,13 +10,14 @@ whole job: forward of embedding, blocks, LM head and loss under bf16 mixed preci
 master weights, backward, the gradient reduction over data parallelism, clipping by the global
 gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defaults`` per GPU count):
 
-- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather] [aheadN] [late]``: :class:`~lightning_3d.models.GPT3D` through the
+- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather] [aheadN] [togetherN] [late]``: :class:`~lightning_3d.models.GPT3D` through the
   steps ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
   autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
   ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block and the loss's local passes compiled),
   ``nocheck`` = ``check_inputs=False`` (no token-range check), ``regather`` = ``save_gathered=False``
   (gathered operands re-gathered in backward, not kept), ``aheadN`` = ``WeightPrefetch(depth=N)``
-  (N weights gathered ahead, not the default two), ``late`` = ``grads_at_end=True`` (weight
+  (N weights gathered ahead, not the default two), ``togetherN`` = ``WeightPrefetch(together=N)``
+  (the gathers of N consecutive weights started as one collective), ``late`` = ``grads_at_end=True`` (weight
   gradients' reduce-scatters waited for once, at the end of backward); ``3d auto [async] [compile]``: the
   grid ``grid="auto"`` picks from the model's shape.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
@@ -118,6 +119,7 @@ class Method:
     check_inputs: bool = True  # 3d
     save_gathered: bool = True  # 3d
     prefetch_depth: int = DEFAULT_DEPTH  # 3d
+    gathered_together: int = 1  # 3d
     grads_at_end: bool = False  # 3d
     checkpointing: bool = False
     half_grads: bool = False  # the dp gradient reduction in bf16 (fp16 on CPU)
@@ -143,6 +145,8 @@ class Method:
                 fields["dp"] = int(w[2:])
             elif w.startswith("ahead"):
                 fields["prefetch_depth"] = int(w[5:])
+            elif w.startswith("together"):
+                fields["gathered_together"] = int(w[8:])
             elif w not in ("auto", "async", "compile", "nocheck", "regather", "late", "ckpt", "bf16grad"):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
@@ -160,6 +164,7 @@ class Method:
             return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
                     + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
                     + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != DEFAULT_DEPTH else "")
+                    + (f" together{self.gathered_together}" if self.gathered_together != 1 else "")
                     + (" late" if self.grads_at_end else "") + common)
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
         return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "") + common
@@ -245,7 +250,7 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
     model = GPT3D(config, grid, device=run.device, options=options)
     model.load_dense_state_dict(dense)
     if grid.shape[0] > 1:
-        WeightPrefetch(method.prefetch_depth).attach(model)
+        WeightPrefetch(method.prefetch_depth, method.gathered_together).attach(model)
     params = list(model.parameters())
     if method.dp > 1:
         model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device], process_group=grid.group("dp"))

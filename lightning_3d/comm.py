@@ -42,6 +42,18 @@ def all_gather_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = 
     return out, (work if async_op else DONE)
 
 
+def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], object]:
+    """:func:`all_gather_dim0` of each of ``ts`` over ``group``, asynchronously, as one collective
+    call (one NCCL group: the ranks meet once for all of them); returns ``(outputs, handle)``."""
+    if dist.get_world_size(group) == 1 or len(ts) == 1:
+        outs, handles = zip(*(all_gather_dim0(t, group, async_op=True) for t in ts))
+        return list(outs), handles[0]
+    # Private: the only public way to launch several all-gathers as one NCCL group call.
+    with dist._coalescing_manager(group, async_ops=True) as together:
+        outs = [all_gather_dim0(t, group, async_op=True)[0] for t in ts]
+    return outs, together
+
+
 def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):
     """Sum ``t`` ``[n·g, ...]`` over the group and keep this rank's dim-0 chunk ``[n, ...]``."""
     g = dist.get_world_size(group)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .. import comm
@@ -12,10 +14,10 @@ DEFAULT_DEPTH = 2  # weights gathered ahead
 
 class _GatherOrder:
     """The order one pass gathers weights in, recorded the first time, and the gathers started
-    for the ``depth`` weights that come next."""
+    for the ``depth`` weights that come next, ``together`` at a time."""
 
-    def __init__(self, depth: int):
-        self.depth = depth
+    def __init__(self, depth: int, together: int):
+        self.depth, self.together = depth, together
         self.order: list[tuple[torch.Tensor, object]] = []
         self.position: dict[tuple, int] = {}
         self.ahead: list[tuple] = []  # (position, key, version, dtype, gathered, handle), in order
@@ -27,20 +29,29 @@ class _GatherOrder:
 
     def gather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
         key = _storage_key(w)
-        if self.ahead and self.ahead[0][1:4] == (key, w._version, dtype):
-            gathered = self.ahead.pop(0)[4:]
-        else:
-            self.drop()
-            gathered = _start_gather(w, group, dtype)
         if key not in self.position:
             self.position[key] = len(self.order)
             self.order.append((w, group))
+        here = self.position[key]
+        if not (self.ahead and self.ahead[0][1:4] == (key, w._version, dtype)):
+            self.drop()
+            self._start(here, dtype, requested=(w, group))
+        gathered = self.ahead.pop(0)[4:]
         started = {entry[0] for entry in self.ahead}
-        for following in range(self.position[key] + 1, min(self.position[key] + 1 + self.depth, len(self.order))):
+        for following in range(here + 1, min(here + 1 + self.depth, len(self.order))):
             if following not in started:
-                w_next, group_next = self.order[following]
-                self.ahead.append(_fetched_ahead(following, w_next, dtype, _start_gather(w_next, group_next, dtype)))
+                started |= self._start(following, dtype)
         return gathered
+
+    def _start(self, position: int, dtype: torch.dtype | None, requested: tuple | None = None) -> set[int]:
+        """Start the gathers of ``position`` and of the positions after it to the end of its run of
+        ``together``; ``requested`` is ``(w, group)`` as asked for at ``position`` (the recorded
+        one otherwise). Returns the positions started."""
+        end = min((position // self.together + 1) * self.together, len(self.order))
+        items = [requested or self.order[position]] + self.order[position + 1:end]
+        for offset, ((w, _), gathered) in enumerate(zip(items, _start_gathers(items, dtype))):
+            self.ahead.append(_fetched_ahead(position + offset, w, dtype, gathered))
+        return set(range(position, position + len(items)))
 
     def hold_if_first(self, w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> None:
         """Keep ``gathered`` (``w`` gathered in ``dtype``, with its handle) as fetched ahead when
@@ -71,13 +82,23 @@ class WeightPrefetch:
     through ``.data`` bumps no version and would go unseen), so results are bit-identical. Up to
     ``depth`` are held at a time in each pass, costing as many gathered weights of memory; between
     forward and backward, the one backward needs first.
+
+    ``together`` > 1 starts the gathers of the recorded order's positions ``[k·together,
+    (k+1)·together)`` as one collective call (one NCCL group), as FSDP gathers a block's weights at
+    once: the ranks meet once for each run instead of once for each weight. With as many weights
+    a block as ``together``, and ``depth`` = ``together``, the next block's weights are gathered
+    while the current block runs, FSDP's scheme; runs start at the order's first weight, so they
+    follow the blocks where no other weight comes first.
     """
 
-    def __init__(self, depth: int = DEFAULT_DEPTH):
+    def __init__(self, depth: int = DEFAULT_DEPTH, together: int = 1):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"WeightPrefetch(depth={depth!r}): depth is how many weights are gathered ahead, "
                              "an int >= 1 (default 2)")
-        self._forward, self._backward = _GatherOrder(depth), _GatherOrder(depth)
+        if isinstance(together, bool) or not isinstance(together, int) or together < 1:
+            raise ValueError(f"WeightPrefetch(together={together!r}): together is how many consecutive weights "
+                             "start their gathers as one collective, an int >= 1 (default 1)")
+        self._forward, self._backward = _GatherOrder(depth, together), _GatherOrder(depth, together)
         self._outer: list[WeightPrefetch | None] = []
 
     def __enter__(self) -> WeightPrefetch:
@@ -130,6 +151,16 @@ _backward_prefetch: WeightPrefetch | None = None
 def _start_gather(w: torch.Tensor, group, dtype: torch.dtype | None) -> tuple:
     """``(gathered, handle)``: ``w`` in ``dtype`` all-gathered over ``group``, asynchronously."""
     return comm.all_gather_dim0(w.to(dtype or w.dtype), group, async_op=True)
+
+
+def _start_gathers(items: list[tuple[torch.Tensor, object]], dtype: torch.dtype | None) -> list[tuple]:
+    """``(gathered, handle)`` of each ``(w, group)``: ``w`` in ``dtype`` all-gathered over
+    ``group``, asynchronously; consecutive weights of one group as one collective call."""
+    out = []
+    for group, run in itertools.groupby(items, key=lambda item: item[1]):
+        gathered, handle = comm.all_gather_dim0_together([w.to(dtype or w.dtype) for w, _ in run], group)
+        out += [(g, handle) for g in gathered]
+    return out
 
 
 def _fetched_ahead(position: int, w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> tuple:
