@@ -26,14 +26,14 @@ def _double(t):
     t.mul_(2.0)  # in place, as an optimizer step does: bumps the version the prefetch checks
 
 
-def prefetch_job(shape, depth):
+def prefetch_job(shape, depth, together=1):
     """Per step: whether the output equals the stack's without prefetch; and how many weights
     were in flight once the first layer had run."""
     grid = harness.grid(shape)
     torch.manual_seed(1)
     x = local(torch.randn(4, 3, N, dtype=torch.float64), "z", grid)
     plain, fetched = _stack(grid), _stack(grid)
-    prefetch = WeightPrefetch(depth).attach(fetched)
+    prefetch = WeightPrefetch(depth, together).attach(fetched)
     in_flight = []
     fetched[0].register_forward_hook(lambda *_: in_flight.append(len(prefetch._forward.ahead)))
     outs = []
@@ -58,13 +58,28 @@ def test_prefetch_is_exact_and_never_stale():
             assert recorded == 4
 
 
+def test_weights_gathered_together_are_exact():
+    """With ``together``, the first weight of a pass is gathered alone and each later one starts
+    the rest of its run of ``together`` (positions [k·together, (k+1)·together)) with it."""
+    # (depth, together, in flight once layer 0 ran): runs [0, 1] [2, 3] start 1, then 2 and 3;
+    # a run of 4 starts 1 … 3 together
+    for shape, depth, together, ahead in [((2, 1, 1), 1, 2, 1), ((2, 1, 1), 2, 2, 3), ((2, 2, 1), 1, 4, 3),
+                                          ((1, 2, 2), 2, 2, 3)]:
+        for outs, in_flight, recorded in harness.run(4, prefetch_job, shape, depth, together):
+            assert outs == [True, True, True], (shape, depth, together, outs)
+            assert in_flight == [0, ahead, ahead], (shape, depth, together, in_flight)
+            assert recorded == 4
+
+
 def test_prefetch_depth_is_checked():
     for depth in (0, True, 1.5):
         with pytest.raises(ValueError, match="depth is how many weights are gathered ahead"):
             WeightPrefetch(depth)
+        with pytest.raises(ValueError, match="together is how many consecutive weights"):
+            WeightPrefetch(2, together=depth)
 
 
-def backward_prefetch_job(shape, depth):
+def backward_prefetch_job(shape, depth, together=1):
     """Per step: whether the gradients equal those of the same stack without prefetch, and
     whether a weight was fetched ahead when the gradients of the stack's output (layer 3's
     weight, kept from forward) and of layer 1's output (layer 1's, re-gathered ahead by layer 2's
@@ -74,7 +89,7 @@ def backward_prefetch_job(shape, depth):
     grid = harness.grid(shape)
     options = RuntimeOptions(save_gathered=False)
     plain, fetched = _stack(grid, options), _stack(grid, options)
-    prefetch = WeightPrefetch(depth).attach(fetched)
+    prefetch = WeightPrefetch(depth, together).attach(fetched)
     fetched_ahead = []
 
     def watch(mod, args, out) -> None:
@@ -99,8 +114,8 @@ def backward_prefetch_job(shape, depth):
 
 
 def test_backward_regathers_are_prefetched_and_exact():
-    for shape, depth in [((2, 1, 1), 1), ((2, 2, 1), 1), ((1, 2, 2), 1), ((2, 2, 1), 2)]:
-        for outs, ahead, recorded in harness.run(4, backward_prefetch_job, shape, depth):
+    for shape, depth, together in [((2, 1, 1), 1, 1), ((2, 2, 1), 1, 1), ((1, 2, 2), 1, 1), ((2, 2, 1), 2, 1), ((2, 1, 1), 2, 2)]:
+        for outs, ahead, recorded in harness.run(4, backward_prefetch_job, shape, depth, together):
             assert outs == [True, True, True], (shape, depth, outs)
             assert recorded == 4, (shape, recorded)
             # the first backward records the order; the later ones fetch ahead (a weight gathered

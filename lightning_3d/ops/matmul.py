@@ -100,7 +100,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None else t.to(dtype)
 
 
-def _autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
     """The dtype autocast would run a matmul in on ``t``'s device, or None when autocast is off."""
     device = t.device.type
     if torch.is_autocast_enabled(device) and t.is_floating_point():
@@ -319,7 +319,7 @@ def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tens
     groups = tuple(grid.group(axis) for axis in directions)
     sizes = tuple(grid.size(axis) for axis in directions)
     landed = landed_weight(b) if sizes[1] > 1 else None
-    plan = MatmulPlan(form, groups, sizes, options.save_gathered, _autocast_dtype(a), _is_parameter(b), landed is not None,
+    plan = MatmulPlan(form, groups, sizes, options.save_gathered, autocast_dtype(a), _is_parameter(b), landed is not None,
                       options.async_tp)
     b = b if landed is None else landed
     if torch.compiler.is_compiling():

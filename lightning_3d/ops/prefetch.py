@@ -33,22 +33,22 @@ class _GatherOrder:
             self.position[key] = len(self.order)
             self.order.append((w, group))
         here = self.position[key]
-        if not (self.ahead and self.ahead[0][1:4] == (key, w._version, dtype)):
+        if self.ahead and self.ahead[0][1:4] == (key, w._version, dtype):
+            gathered = self.ahead.pop(0)[4:]
+        else:  # nothing usable in flight (a pass's first weight): this one alone, not its whole run
             self.drop()
-            self._start(here, dtype, requested=(w, group))
-        gathered = self.ahead.pop(0)[4:]
+            (gathered,) = _start_gathers([(w, group)], dtype)
         started = {entry[0] for entry in self.ahead}
         for following in range(here + 1, min(here + 1 + self.depth, len(self.order))):
             if following not in started:
                 started |= self._start(following, dtype)
         return gathered
 
-    def _start(self, position: int, dtype: torch.dtype | None, requested: tuple | None = None) -> set[int]:
+    def _start(self, position: int, dtype: torch.dtype | None) -> set[int]:
         """Start the gathers of ``position`` and of the positions after it to the end of its run of
-        ``together``; ``requested`` is ``(w, group)`` as asked for at ``position`` (the recorded
-        one otherwise). Returns the positions started."""
+        ``together``; returns the positions started."""
         end = min((position // self.together + 1) * self.together, len(self.order))
-        items = [requested or self.order[position]] + self.order[position + 1:end]
+        items = self.order[position:end]
         for offset, ((w, _), gathered) in enumerate(zip(items, _start_gathers(items, dtype))):
             self.ahead.append(_fetched_ahead(position + offset, w, dtype, gathered))
         return set(range(position, position + len(items)))
@@ -140,17 +140,12 @@ class WeightPrefetch:
         """The same in backward, for a product that did not keep its gathered weight. A weight
         this prefetch's forward did not gather (another model's) is gathered plainly."""
         if _storage_key(w) not in self._forward.position:
-            return _start_gather(w, group, dtype)
+            return _start_gathers([(w, group)], dtype)[0]
         return self._backward.gather(w, group, dtype)
 
 
 _active_prefetch: WeightPrefetch | None = None
 _backward_prefetch: WeightPrefetch | None = None
-
-
-def _start_gather(w: torch.Tensor, group, dtype: torch.dtype | None) -> tuple:
-    """``(gathered, handle)``: ``w`` in ``dtype`` all-gathered over ``group``, asynchronously."""
-    return comm.all_gather_dim0(w.to(dtype or w.dtype), group, async_op=True)
 
 
 def _start_gathers(items: list[tuple[torch.Tensor, object]], dtype: torch.dtype | None) -> list[tuple]:
