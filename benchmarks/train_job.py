@@ -15,8 +15,8 @@ gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defa
   autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
   ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block and the loss's local passes compiled),
   ``nocheck`` = ``check_inputs=False`` (no token-range check), ``regather`` = ``save_gathered=False``
-  (gathered operands re-gathered in backward, not kept), ``aheadN`` = ``WeightPrefetch(depth=N)``
-  (N weights gathered ahead, not the default two), ``togetherN`` = ``WeightPrefetch(together=N)``
+  (gathered operands re-gathered in backward, not kept), ``aheadN`` = ``prefetch_depth=N``
+  (N weights gathered ahead, not the default two), ``togetherN`` = ``gathered_together=N``
   (the gathers of N consecutive weights started as one collective), ``late`` = ``grads_at_end=True`` (weight
   gradients' reduce-scatters waited for once, at the end of backward); ``3d auto [async] [compile]``: the
   grid ``grid="auto"`` picks from the model's shape.
@@ -77,11 +77,11 @@ import peers_job  # noqa: E402
 import lightning_3d  # noqa: E402
 from lightning_3d.grad_norm import clip_grad_norm_  # noqa: E402
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig  # noqa: E402
-from lightning_3d.ops import WeightPrefetch  # noqa: E402
-from lightning_3d.ops.prefetch import DEFAULT_DEPTH  # noqa: E402
 from lightning_3d.machine import measure_machine  # noqa: E402
 from lightning_3d.planner import Machine, ModelShape  # noqa: E402
 from lightning_3d.strategy import grid_rules  # noqa: E402
+
+DEFAULTS = lightning_3d.RuntimeOptions()
 
 # name → (GPTConfig fields, global batch, sequence length)
 MODELS = {
@@ -118,8 +118,8 @@ class Method:
     compile: bool = False
     check_inputs: bool = True  # 3d
     save_gathered: bool = True  # 3d
-    prefetch_depth: int = DEFAULT_DEPTH  # 3d
-    gathered_together: int = 1  # 3d
+    prefetch_depth: int = DEFAULTS.prefetch_depth  # 3d
+    gathered_together: int = DEFAULTS.gathered_together  # 3d
     grads_at_end: bool = False  # 3d
     checkpointing: bool = False
     half_grads: bool = False  # the dp gradient reduction in bf16 (fp16 on CPU)
@@ -163,8 +163,8 @@ class Method:
             where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
             return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
                     + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
-                    + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != DEFAULT_DEPTH else "")
-                    + (f" together{self.gathered_together}" if self.gathered_together != 1 else "")
+                    + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != DEFAULTS.prefetch_depth else "")
+                    + (f" together{self.gathered_together}" if self.gathered_together != DEFAULTS.gathered_together else "")
                     + (" late" if self.grads_at_end else "") + common)
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
         return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "") + common
@@ -244,13 +244,12 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
     grid = run.grid(method.grid, method.dp)
     options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, compile=method.compile, check_inputs=method.check_inputs,
                                           save_gathered=method.save_gathered, activation_checkpointing=method.checkpointing,
-                                          grads_at_end=method.grads_at_end)
+                                          grads_at_end=method.grads_at_end, prefetch=grid.shape[0] > 1,
+                                          prefetch_depth=method.prefetch_depth, gathered_together=method.gathered_together)
     if method.compile:
         torch.compiler.reset()
     model = GPT3D(config, grid, device=run.device, options=options)
     model.load_dense_state_dict(dense)
-    if grid.shape[0] > 1:
-        WeightPrefetch(method.prefetch_depth, method.gathered_together).attach(model)
     params = list(model.parameters())
     if method.dp > 1:
         model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device], process_group=grid.group("dp"))

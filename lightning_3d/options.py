@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .arguments import flag
+from .arguments import flag, positive_int
 
 
 @dataclass
@@ -22,9 +22,15 @@ class RuntimeOptions:
             every rank of a cube must reach its peers' memory: one NVLink domain).
         save_gathered: keep the gathered activation and weight of every 3-D product for backward
             (default) or re-gather them there (less memory, more communication).
-        prefetch: gather each weight two products ahead during forward, and re-gather it two
-            products ahead in backward where ``save_gathered=False``
-            (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`; two gathered weights of memory).
+        prefetch: gather each weight ``prefetch_depth`` products ahead during forward, and re-gather
+            it as far ahead in backward where ``save_gathered=False``
+            (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`; as many gathered weights of memory).
+        prefetch_depth: how many weights ``prefetch`` gathers ahead (default 2).
+        gathered_together: how many consecutive weights start their gathers as one collective
+            (default 1). With a Transformer block's count of gathered weights (four in GPT-2 and
+            Llama blocks) and ``prefetch_depth`` as large, the next block's weights are gathered
+            at once while the current block runs, as FSDP does: at Llama 7B shapes on an FSDP-like
+            grid (px > 1), with ``grads_at_end``, the fastest setting measured (``docs/benchmarks.md``).
         grads_at_end: in a parallelized model, reduce-scatter each gathered weight's gradient
             beside the rest of backward and wait for all of them once, at its end, instead of in
             each product's backward (:mod:`~lightning_3d.ops.late_grads`; on CUDA, one side stream).
@@ -44,6 +50,8 @@ class RuntimeOptions:
     async_tp: bool = False
     save_gathered: bool = True
     prefetch: bool = False
+    prefetch_depth: int = 2
+    gathered_together: int = 1
     grads_at_end: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
@@ -51,7 +59,7 @@ class RuntimeOptions:
 
     def __post_init__(self):
         for f in fields(self):  # checked, not coerced: async_tp="no" would read as True
-            flag(getattr(self, f.name), f.name)
+            (positive_int if f.type == "int" else flag)(getattr(self, f.name), f.name)
 
 
 def resolve_options(options: RuntimeOptions | None) -> RuntimeOptions:

@@ -26,6 +26,7 @@ from lightning_3d.parallel import (
     parallelize,
     set_options,
 )
+from lightning_3d.ops.prefetch import backward_prefetch
 from lightning_3d.sharding import get_spec
 
 # vocabulary 18: padded to 20 where px·py = 4; batch 4 splits on every grid below
@@ -109,7 +110,8 @@ def equality_job(grid):
     ref = dense(ids, targets)
     ref.backward()
     errs = {}
-    for run, options in enumerate([{}, dict(save_gathered=False, prefetch=True, activation_checkpointing=True)]):
+    for run, options in enumerate([{}, dict(save_gathered=False, prefetch=True, activation_checkpointing=True),
+                                   dict(prefetch=True, prefetch_depth=3, gathered_together=3, grads_at_end=True)]):
         model = parallelize(copy.deepcopy(dense), plan(), grid=grid)
         set_options(model, **options)
         for _ in range(2):  # prefetch follows the order recorded by the first forward
@@ -117,6 +119,9 @@ def equality_job(grid):
             loss = model(ids, targets)
             loss.backward()
         errs[f"{run}_loss"] = rel(loss.detach(), ref.detach())
+        fetched = backward_prefetch()  # the options' prefetch, as they set it
+        errs[f"{run}_prefetch"] = float(bool(options) and (fetched._forward.depth, fetched._forward.together)
+                                        != (options.get("prefetch_depth", 2), options.get("gathered_together", 1)))
         grads = _grads_as_dense(model)
         errs.update({f"{run}_d{k}": rel(grads[k], p.grad) for k, p in dense.named_parameters()})
     errs["keys"] = float(list(grads) != list(dense.state_dict()))

@@ -7,9 +7,7 @@ import itertools
 import torch
 
 from .. import comm
-
-
-DEFAULT_DEPTH = 2  # weights gathered ahead
+from ..options import RuntimeOptions
 
 
 class _GatherOrder:
@@ -91,7 +89,7 @@ class WeightPrefetch:
     follow the blocks where no other weight comes first.
     """
 
-    def __init__(self, depth: int = DEFAULT_DEPTH, together: int = 1):
+    def __init__(self, depth: int = RuntimeOptions.prefetch_depth, together: int = RuntimeOptions.gathered_together):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"WeightPrefetch(depth={depth!r}): depth is how many weights are gathered ahead, "
                              "an int >= 1 (default 2)")

@@ -24,14 +24,18 @@ from .plan import Plan
 
 
 class _PrefetchWhenEnabled:
-    """Enters a :class:`WeightPrefetch` around each forward of the model while ``options.prefetch`` is on."""
+    """Enters a :class:`WeightPrefetch` around each forward of the model while ``options.prefetch``
+    is on, made anew when ``options.prefetch_depth`` or ``options.gathered_together`` change."""
 
     def __init__(self, options: RuntimeOptions):
-        self.options, self.prefetch, self.entered = options, WeightPrefetch(), []
+        self.options, self.prefetch, self.made_for, self.entered = options, None, None, []
 
     def enter(self, module, args) -> None:
         self.entered.append(self.options.prefetch)
         if self.options.prefetch:
+            wanted = (self.options.prefetch_depth, self.options.gathered_together)
+            if wanted != self.made_for:
+                self.prefetch, self.made_for = WeightPrefetch(*wanted), wanted
             self.prefetch.__enter__()
 
     def leave(self, module, args, output) -> None:
