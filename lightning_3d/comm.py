@@ -45,22 +45,12 @@ def all_gather_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = 
 def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], object]:
     """:func:`all_gather_dim0` of each of ``ts`` over ``group``, asynchronously, as one collective
     call (one NCCL group: the ranks meet once for all of them); returns ``(outputs, handle)``."""
-    return _as_one_call(all_gather_dim0, ts, group)
-
-
-def reduce_scatter_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], object]:
-    """:func:`reduce_scatter_dim0` of each of ``ts`` over ``group``, asynchronously, as one
-    collective call; returns ``(outputs, handle)``."""
-    return _as_one_call(reduce_scatter_dim0, ts, group)
-
-
-def _as_one_call(collective, ts: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], object]:
     if dist.get_world_size(group) == 1 or len(ts) == 1:
-        outs, handles = zip(*(collective(t, group, async_op=True) for t in ts))
+        outs, handles = zip(*(all_gather_dim0(t, group, async_op=True) for t in ts))
         return list(outs), handles[0]
-    # Private: the only public way to launch several collectives as one NCCL group call.
+    # Private: the only public way to launch several all-gathers as one NCCL group call.
     with dist._coalescing_manager(group, async_ops=True) as together:
-        outs = [collective(t, group, async_op=True)[0] for t in ts]
+        outs = [all_gather_dim0(t, group, async_op=True)[0] for t in ts]
     return outs, together
 
 

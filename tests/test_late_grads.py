@@ -2,7 +2,7 @@
 backward and handed to autograd once, at its end.
 
 GPT3D with it equals DenseGPT (float64: loss and every gradient) on grids with px > 1, also with
-weights re-gathered and prefetched, and with blocks recomputed in backward (compiled, also
+weights re-gathered and prefetched, with a block's weights gathered as one call, and with blocks recomputed in backward (compiled, also
 recomputed: ``test_compile.py``); the block weights' gradients
 really arrive at the end, eager and compiled (none is set when the embedding's output gradient is
 computed, as each is without the option);
@@ -15,7 +15,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 import harness
 from checks import assert_close, on_grids, rel
-from lightning_3d.ops.prefetch import backward_prefetch
 from lightning_3d.options import RuntimeOptions
 from lightning_3d.sharding import get_spec, unshard_tensor
 from test_gpt import batch, config, equivalence, pair
@@ -42,16 +41,6 @@ def _arrival(grid, grads_at_end: bool, compile: bool = False) -> float:
     model.transformer.wte.register_forward_hook(watch)
     model(idx, targets).backward()
     return seen[0]
-
-
-def _runs_of_block_weights(grid, options: RuntimeOptions) -> float:
-    """1.0 unless every block weight's gradient falls in a run of four, block by block (the
-    forward's gathers, which the scatters follow)."""
-    _, model = pair(grid, config("llama"), 3, options=options)
-    model(*batch(grid, 4)).backward()
-    # as the products use them: a packed weight [G, out, in] as one [G·out, in] matrix
-    runs = [backward_prefetch().run_of(w.view(-1, w.shape[-1])) for w in _block_weights(model)]
-    return float(runs != [(n // 4, 4) for n in range(len(runs))])
 
 
 def _accumulated(grid, options: RuntimeOptions, micro_batches: int = 2) -> list:
@@ -104,9 +93,8 @@ def late_job(grid):
     errs.update({f"ckpt_{k}": e for k, e in
                  equivalence(grid, "gpt2", RuntimeOptions(grads_at_end=True, activation_checkpointing=True)).items()})
     blocks = RuntimeOptions(grads_at_end=True, prefetch=True, prefetch_depth=4, gathered_together=4)
-    for style in ("gpt2", "llama"):  # a block's four weight gradients reduce-scattered as one call
+    for style in ("gpt2", "llama"):  # a block's four weights gathered as one call
         errs.update({f"together_{style}_{k}": e for k, e in equivalence(grid, style, blocks).items()})
-    errs["together_runs"] = _runs_of_block_weights(grid, blocks)
     errs["arrive_at_end"] = _arrival(grid, True)
     errs["arrive_at_once_without"] = 1.0 - _arrival(grid, False)
     if grid.size("y") == grid.size("z") == 1:  # the compiled blocks' custom ops leave them too

@@ -12,10 +12,6 @@ them and hands each weight its gradient. Autograd then accumulates them as usual
 DeepSpeed's gradient hooks see them), as FSDP waits for its reduce-scatters once per backward.
 Gradients are the same (bit-identical for a weight one product uses).
 
-Where the weights are gathered ``together`` at a time (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`),
-the reduce-scatters of each such run start as one collective call too, once the run's last
-gradient is made (or one of another run arrives, or the node runs).
-
 Gradients started and not yet handed on are held by weight storage (``_pending``), so that a
 product's custom op, which sees tensors only, can leave its gradient for the node of its weight.
 """
@@ -28,11 +24,9 @@ import torch
 from torch import nn
 
 from .. import comm
-from .prefetch import backward_prefetch
 
 _LANDED = "_landed_view"  # on a weight inside a WeightGradsAtEnd: its view from the context's node
 _pending: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Stream | None]]] = {}
-_queued: list[tuple[torch.Tensor, object, torch.Tensor]] = []  # (gathered gradient, group, weight) of one run, not started
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -53,7 +47,6 @@ class _HandOnAtEnd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        _start_queued()
         started = [_pending.pop(key, []) for key in ctx.keys]
         for stream in {stream for entries in started for _, stream in entries if stream is not None}:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
@@ -82,10 +75,8 @@ class WeightGradsAtEnd:
 
     def __enter__(self) -> WeightGradsAtEnd:
         self._outer.append([(w, getattr(w, _LANDED, None)) for w in self.weights])
-        keys = {_key(w) for w in self.weights}
-        for key in keys:  # a backward that failed half-way left these: never hand them on
-            _pending.pop(key, None)
-        _queued[:] = [entry for entry in _queued if _key(entry[2]) not in keys]
+        for w in self.weights:  # a backward that failed half-way left these: never hand them on
+            _pending.pop(_key(w), None)
         views = _HandOnAtEnd.apply(*self.weights) if torch.is_grad_enabled() and self.weights else (None,) * len(self.weights)
         for w, view in zip(self.weights, views):
             setattr(w, _LANDED, view)
@@ -108,41 +99,19 @@ def landed_weight(b: torch.Tensor) -> torch.Tensor | None:
 
 def scatter_at_end(gathered_grad: torch.Tensor, group, weight: torch.Tensor) -> None:
     """Reduce-scatter ``gathered_grad`` (the gradient of ``weight`` gathered over ``group``) and
-    leave this rank's rows, in ``weight``'s dtype, for the node that handed ``weight`` out. It
-    starts with the rest of ``weight``'s run of gathers, once the run's last gradient is made; on
-    CUDA on a side stream the compute stream does not wait for until that node runs."""
-    prefetch = backward_prefetch()
-    run = None if prefetch is None else prefetch.run_of(weight)
-    if _queued and (run is None or _queued[0][1] is not group or _queued[0][0].device != gathered_grad.device
-                    or prefetch.run_of(_queued[0][2]) != run):
-        _start_queued()
-    _queued.append((gathered_grad, group, weight))
-    if run is None or len(_queued) >= run[1]:
-        _start_queued()
-
-
-def _start_queued() -> None:
-    """Start the reduce-scatters of the queued gradients (one group's) as one collective call."""
-    if not _queued:
+    leave this rank's rows, in ``weight``'s dtype, for the node that handed ``weight`` out. On
+    CUDA it runs on a side stream the compute stream does not wait for until that node runs."""
+    if gathered_grad.device.type != "cuda":
+        shard, _ = comm.reduce_scatter_dim0(gathered_grad, group)
+        _pending.setdefault(_key(weight), []).append((shard.to(weight.dtype), None))
         return
-    grads, groups, weights = zip(*_queued)
-    _queued.clear()
-    device = grads[0].device
-    if device.type != "cuda":
-        shards, handle = comm.reduce_scatter_dim0_together(list(grads), groups[0])
-        handle.wait()
-        for shard, weight in zip(shards, weights):
-            _pending.setdefault(_key(weight), []).append((shard.to(weight.dtype), None))
-        return
-    side = _side_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
+    side = _side_stream(gathered_grad.device)
+    side.wait_stream(torch.cuda.current_stream(gathered_grad.device))
     with torch.cuda.stream(side):
-        shards, handle = comm.reduce_scatter_dim0_together(list(grads), groups[0])
-        handle.wait()
-        shards = [shard.to(weight.dtype) for shard, weight in zip(shards, weights)]
-    for grad, shard, weight in zip(grads, shards, weights):
-        grad.record_stream(side)  # made on the compute stream, read on the side stream
-        _pending.setdefault(_key(weight), []).append((shard, side))
+        shard, _ = comm.reduce_scatter_dim0(gathered_grad, group)
+        shard = shard.to(weight.dtype)
+    gathered_grad.record_stream(side)  # made on the compute stream, read on the side stream
+    _pending.setdefault(_key(weight), []).append((shard, side))
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:

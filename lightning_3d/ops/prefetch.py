@@ -134,17 +134,6 @@ class WeightPrefetch:
         self._backward.hold_if_first(w, dtype, gathered)
         return gathered
 
-    def run_of(self, w: torch.Tensor) -> tuple[int, int] | None:
-        """``(run, weights in it)`` of ``w`` in the forward's recorded order, runs of ``together``
-        weights (what starts as one collective call); None where the forward did not gather ``w``
-        or gathers one weight at a time."""
-        order = self._forward
-        position = order.position.get(_storage_key(w))
-        if position is None or order.together == 1:
-            return None
-        run = position // order.together
-        return run, min(order.together, len(order.order) - run * order.together)
-
     def regather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
         """The same in backward, for a product that did not keep its gathered weight. A weight
         this prefetch's forward did not gather (another model's) is gathered plainly."""
