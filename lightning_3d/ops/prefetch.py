@@ -90,12 +90,9 @@ class WeightPrefetch:
     """
 
     def __init__(self, depth: int = RuntimeOptions.prefetch_depth, together: int = RuntimeOptions.gathered_together):
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"WeightPrefetch(depth={depth!r}): depth is how many weights are gathered ahead, "
-                             "an int >= 1 (default 2)")
-        if isinstance(together, bool) or not isinstance(together, int) or together < 1:
-            raise ValueError(f"WeightPrefetch(together={together!r}): together is how many consecutive weights "
-                             "start their gathers as one collective, an int >= 1 (default 1)")
+        _check_count("depth", depth, "how many weights are gathered ahead", RuntimeOptions.prefetch_depth)
+        _check_count("together", together, "how many consecutive weights start their gathers as one collective",
+                     RuntimeOptions.gathered_together)
         self._forward, self._backward = _GatherOrder(depth, together), _GatherOrder(depth, together)
         self._outer: list[WeightPrefetch | None] = []
 
@@ -154,6 +151,11 @@ def _start_gathers(items: list[tuple[torch.Tensor, object]], dtype: torch.dtype 
         gathered, handle = comm.all_gather_dim0_together([w.to(dtype or w.dtype) for w, _ in run], group)
         out += [(g, handle) for g in gathered]
     return out
+
+
+def _check_count(name: str, value: object, meaning: str, default: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"WeightPrefetch({name}={value!r}): {name} is {meaning}, an int >= 1 (default {default})")
 
 
 def _fetched_ahead(position: int, w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> tuple:
