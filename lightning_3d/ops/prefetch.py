@@ -7,6 +7,7 @@ import itertools
 import torch
 
 from .. import comm
+from ..arguments import positive_int
 from ..options import RuntimeOptions
 
 
@@ -90,9 +91,9 @@ class WeightPrefetch:
     """
 
     def __init__(self, depth: int = RuntimeOptions.prefetch_depth, together: int = RuntimeOptions.gathered_together):
-        _check_count("depth", depth, "how many weights are gathered ahead", RuntimeOptions.prefetch_depth)
-        _check_count("together", together, "how many consecutive weights start their gathers as one collective",
-                     RuntimeOptions.gathered_together)
+        depth = _check_count("depth", depth, "how many weights are gathered ahead", RuntimeOptions.prefetch_depth)
+        together = _check_count("together", together, "how many consecutive weights start their gathers as one collective",
+                                RuntimeOptions.gathered_together)
         self._forward, self._backward = _GatherOrder(depth, together), _GatherOrder(depth, together)
         self._outer: list[WeightPrefetch | None] = []
 
@@ -153,9 +154,11 @@ def _start_gathers(items: list[tuple[torch.Tensor, object]], dtype: torch.dtype 
     return out
 
 
-def _check_count(name: str, value: object, meaning: str, default: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"WeightPrefetch({name}={value!r}): {name} is {meaning}, an int >= 1 (default {default})")
+def _check_count(name: str, value: object, meaning: str, default: int) -> int:
+    try:
+        return positive_int(value, name)
+    except ValueError:
+        raise ValueError(f"WeightPrefetch({name}={value!r}): {name} is {meaning}, an int >= 1 (default {default})") from None
 
 
 def _fetched_ahead(position: int, w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> tuple:
