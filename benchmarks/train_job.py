@@ -41,7 +41,10 @@ moved data, and every rank's busy, idle and exposed time (``by_rank``). Reported
 tokens/s, TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
 (``max_memory_allocated`` during the steps above what was allocated before the model was built,
 max over ranks), the first step's time (compilation included) and the loss of the first three
-steps (mean over the global batch). On CUDA the first case runs once untimed before the timed cases,
+steps (mean over the global batch). Each result also lists rank 0's step times (``step_ms_each``)
+and how long its host took to issue each step (``host_ms_each``; every step starts on an idle GPU,
+so a host time near the step time means the host sets the pace), and each rank's median host time
+(``host_ms_by_rank``). On CUDA the first case runs once untimed before the timed cases,
 so that none starts cold. Results go to ``DIR/job_w{N}_{model}[_L{layers}]_{links}.json`` after every
 case, so a run stopped by its time budget keeps what it measured. ``--append`` adds this process's
 cases to that file (the same job only: its ``meta`` stays, this process's date, command and matmul
@@ -363,14 +366,16 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
         torch.cuda.reset_peak_memory_stats(run.device)
     build_s = time.perf_counter() - t0
     timer = measure.Timer(run.device)
-    times, losses = [], []
+    times, host, losses = [], [], []
     compile_counters.clear()
     gc.collect()
     gc.disable()  # as torchtitan trains: no automatic collection inside steps (its gc_freq collects between them)
     for i in range(warmup + steps):
         ids, targets = (t[job.rows] for t in data[i % len(data)])
         timer.mark()
+        launched = time.perf_counter()
         loss = job.step(ids, targets)
+        host.append((time.perf_counter() - launched) * 1e3)
         timer.mark()
         times += timer.split()
         if i < LOSS_STEPS:
@@ -393,10 +398,12 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
         dist.all_reduce(loss_t, group=job.loss_group)
         loss_t /= dist.get_world_size(job.loss_group)
     median, first, peak = measure.all_reduce_max([statistics.median(times[warmup:]), times[0], peak], run.device)
+    host_by_rank = [None] * run.world
+    dist.all_gather_object(host_by_rank, round(statistics.median(host[warmup:]), 2))
     del job
     free_memory(run)
     result = {"step_ms": median, "first_step_s": first / 1e3, "build_s": build_s, "peak_GiB": peak, "losses": loss_t.tolist(),
-              "step_ms_each": times, "compiled": compiled_summary()}
+              "step_ms_each": times, "host_ms_each": host, "host_ms_by_rank": host_by_rank, "compiled": compiled_summary()}
     if timeline is not None:
         result["profile_rank0_2_steps"] = timeline
     return result
