@@ -117,6 +117,7 @@ def kernel_kind(event: dict) -> str:
 
 
 MOST_EXPOSED = 12  # the collectives reported one by one, most exposed first
+HOST_TOP = 15  # the host ops reported by their own CPU time
 
 
 def kernel_timeline(trace_path: str) -> dict:
@@ -221,7 +222,9 @@ def peer_waits(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict:
 
 def profile_steps(step, steps: int, trace_path: str) -> dict:
     """Run ``step()`` ``steps`` times under the torch profiler; write a gzipped chrome trace and
-    return its :func:`kernel_timeline`."""
+    return its :func:`kernel_timeline`, with ``host_top_self_ms``: the host's ``HOST_TOP`` most
+    costly ops and runtime calls by their own CPU time, ``[name, ms, calls]`` (the profiler's own
+    cost inflates them alike)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -230,10 +233,13 @@ def profile_steps(step, steps: int, trace_path: str) -> dict:
             step()
         if cuda:
             torch.cuda.synchronize()
+    host_top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:HOST_TOP]
     raw = trace_path[:-3] if trace_path.endswith(".gz") else trace_path
     prof.export_chrome_trace(raw)
     if raw != trace_path:
         with open(raw, "rb") as src, gzip.open(trace_path, "wb") as dst:
             dst.write(src.read())
         os.remove(raw)
-    return kernel_timeline(trace_path)
+    timeline = kernel_timeline(trace_path)
+    timeline["host_top_self_ms"] = [[e.key, round(e.self_cpu_time_total / 1e3, 3), e.count] for e in host_top]
+    return timeline

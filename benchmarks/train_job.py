@@ -37,7 +37,8 @@ trains (it collects every ``gc_freq`` steps instead): collections inside steps m
 timeline of two more steps on rank 0 (busy time, communication, communication not hidden by
 compute, the longest kernels) and, from every rank's trace, how long each rank's NCCL kernels
 waited for the last rank to arrive (``peer_waits``: ranks drifting apart) against how long they
-moved data, and every rank's busy, idle and exposed time (``by_rank``). Reported per case: median step ms over the timed steps (CUDA events, max over ranks),
+moved data, every rank's busy, idle and exposed time (``by_rank``), and the host ops that took
+rank 0's host longest (``host_top_self_ms``). Reported per case: median step ms over the timed steps (CUDA events, max over ranks),
 tokens/s, TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
 (``max_memory_allocated`` during the steps above what was allocated before the model was built,
 max over ranks), the first step's time (compilation included) and the loss of the first three

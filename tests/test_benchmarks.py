@@ -84,6 +84,7 @@ def test_train_job_smoke_on_cpu(tmp_path):
     profile = data["cases"][0]["profile_rank0_2_steps"]  # on CPU no GPU kernels: the plumbing, with zero time
     assert profile["kernels"] == 0 and profile["peer_waits"] == {"waited_ms": [0.0, 0.0], "moving_ms": [0.0, 0.0], "collectives": 0}
     assert [rank["busy_ms"] for rank in profile["by_rank"]] == [0.0, 0.0]
+    assert profile["host_top_self_ms"] and all(ms >= 0 and calls >= 1 for _, ms, calls in profile["host_top_self_ms"])
     assert data["cases"][labels.index("3d auto")]["picks"].startswith("3d ")
     assert data["meta"]["tokens_per_step"] == 8 * 16 and data["meta"]["flops_per_step"] > 0
     assert isinstance(data["meta"]["alloc_conf"], str)  # the caching allocator's settings are recorded
