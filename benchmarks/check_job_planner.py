@@ -68,7 +68,7 @@ def rows(paths: list[str], p2p_off_busbw: float | None = None, measured: dict[st
                 continue
             p = planner.predict_job(shape, tuple(method["grid"]), method["dp"], machine, async_tp=method["async_tp"],
                                     compiled=method.get("compile", False), save_gathered=method.get("save_gathered", True),
-                                    half_grads=method.get("half_grads", False))
+                                    half_grads=method.get("half_grads", False), grads_at_end=method.get("grads_at_end", False))
             out.append({"file": path, "links": meta.get("links", ""), "model": meta["model"], "world": meta["world"],
                         "variant": " ".join(w for w in case["case"].split()[1:] if "x" not in w and not w.startswith("dp")),
                         "case": case["case"], "step_ms": case["step_ms"], "pred_ms": p.step_ms, "step_err": p.step_ms / case["step_ms"] - 1,

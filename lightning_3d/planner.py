@@ -20,6 +20,8 @@ then charges only the communication the implementation cannot hide:
   forward and two in backward, none hidden; LayerNorms and residuals run replicated on every rank.
 - Data parallelism: one all-reduce of the gradients after backward (the whole job: DDP's fp32
   buckets beside backward, charged where backward does not cover them).
+- ``grads_at_end`` (whole job): a fitted share of the weight gradients' reduce-scatters comes off
+  the step (:attr:`Machine.late_scatter_fraction`).
 
 Ranks are placed dp-major then x, y, z (z fastest), as :func:`~lightning_3d.grid.init_grid` does,
 and numbered node by node, as launchers number them: :func:`node_axes` derives from that order
@@ -100,6 +102,11 @@ class Machine:
         collective_host_us: host time added per collective of a layer over the cube (8 per layer and
             split axis): its launch, and the wait at it for the ranks, which drift apart while
             the host sets the pace (the slowest rank's host decides each collective).
+        late_scatter_fraction: the share of the weight gradients' reduce-scatters over x that
+            ``grads_at_end`` takes off the step. Waited for in its product's backward, such a
+            reduce-scatter does not hide behind the next GEMM as the model's overlap assumes (its
+            kernel waits for SMs the GEMM holds), and about this share of it runs alone; left for
+            the end of backward, it runs beside the rest (fitted).
     """
 
     matmul_tflops: float
@@ -130,6 +137,7 @@ class Machine:
     host_layer_ms: tuple[float, float, float] = (6.0, 9.0, 6.0)
     ddp_bytes: float = 6.0
     collective_host_us: float = 150.0
+    late_scatter_fraction: float = 0.5
 
     def link(self, op: str, size: int, spans_nodes: bool) -> Link:
         """The Link of ``op`` in a group of ``size`` ranks (the nearest measured size inside a node)."""
@@ -365,6 +373,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     products = [("y", "z", h, shape.qkv_out), ("z", "y", h, h), ("y", "z", h, shape.fc1_out), ("z", "y", f, h)]
     fwd_exposed = bwd_exposed = comm = 0.0
     mm_fwd = []
+    weight_scatters = L * sum(c.seconds("reduce_scatter", "x", k / c.sizes[r] * n / c.sizes[fa]) for r, fa, n, k in products)
     for r, fa, n, k in products:
         t_mm, fwd_p, bwd_p, comm_p = _product(c, tokens, r, fa, n, k, rate, save_gathered, async_tp)
         mm_fwd.append(t_mm)
@@ -405,7 +414,7 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     transient = tokens * h / cube * 5  # the input block and the loss's fp32 copies
     memory = _peak(weights / cube, saved_w + act + transient, L)
     return Prediction("3d", grid, dp, fwd * 1e3, bwd * 1e3, (comm + dp_sync) * 1e3, (fwd_exposed + bwd_exposed + dp_sync) * 1e3,
-                      memory, {"dp_sync_ms": dp_sync * 1e3, "hidden_comm_ms": hidden * 1e3,
+                      memory, {"dp_sync_ms": dp_sync * 1e3, "hidden_comm_ms": hidden * 1e3, "weight_scatter_ms": weight_scatters * 1e3,
                                "backward_compute_ms": L * (2 * (sum(mm_fwd) + attn) + t_mem_bwd) * 1e3,
                                "activations_GiB": (saved_w + act + transient) * BYTES / 2**30})
 
@@ -430,7 +439,8 @@ FP32 = 4  # master weights, their gradients, Adam's moments, embedding outputs, 
 
 
 def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machine: Machine = None, *,
-                async_tp: bool = False, compiled: bool = False, save_gathered: bool = True, half_grads: bool = False) -> Prediction:
+                async_tp: bool = False, compiled: bool = False, save_gathered: bool = True, half_grads: bool = False,
+                grads_at_end: bool = False) -> Prediction:
     """Predicted whole training step of ``shape`` (``vocab`` required) on ``grid`` with ``dp`` replicas,
     as ``Tensor3DStrategy`` trains it under bf16 mixed precision with fp32 master weights.
 
@@ -440,7 +450,8 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     logits ``[tokens/(px·pz), V/py]`` with its three small all-reduces, the fp32 gradient all-reduce
     over dp (bf16 with ``half_grads``; DDP's buckets overlap the blocks' backward: only the rest is charged), the
     gradient-norm all-reduce, clipping, AdamW and the weight casts; never less than the host takes to
-    issue the step (:attr:`Machine.host_layer_ms`). Memory: the fp32 parameters and
+    issue the step (:attr:`Machine.host_layer_ms`). ``grads_at_end`` (``RuntimeOptions.grads_at_end``)
+    takes :attr:`Machine.late_scatter_fraction` of the weight gradients' reduce-scatters off the step. Memory: the fp32 parameters and
     Adam's two moments of each shard (and DDP's gradient buckets with dp > 1), the bf16 weight
     copies autocast keeps, the activations, and the logits at the loss.
     """
@@ -481,13 +492,15 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     fwd = blocks.fwd_ms * 1e-3 + embedding_fwd + t_head + head_fwd + final_norm / 2 + loss / 2
     bwd = ((blocks.bwd_ms - blocks.detail["dp_sync_ms"]) * 1e-3 + embedding_bwd + 2 * t_head + head_bwd + final_norm / 2
            + loss / 2 + dp_exposed + optimizer)
+    late = m.late_scatter_fraction * (blocks.detail["weight_scatter_ms"] * 1e-3 + c.seconds("reduce_scatter", "x", V / pz * h / py)) if grads_at_end else 0.0
+    bwd -= late
     pipelined = async_tp and py * pz > 1  # collective matmuls need an activation axis
     collectives = 8 * sum(p > 1 for p in grid)  # per layer: 4 products, each a gather and a scatter per split axis
     host = shape.layers * (m.host_layer_ms[2 if compiled else 1 if pipelined else 0] + collectives * m.collective_host_us * 1e-3) * 1e-3
     bwd += max(0.0, host - fwd - bwd)  # the GPU waits for the host
     static = params * (3 * FP32 + (m.ddp_bytes if dp > 1 else 0)) + shape.layers * shape.block_weights / cube * BYTES
     memory = static / 2**30 + blocks.detail["activations_GiB"] + logits * m.logit_memory_bytes / 2**30
-    exposed = blocks.exposed_comm_ms - blocks.detail["dp_sync_ms"] + (embedding_fwd + embedding_bwd_comm + head_fwd + head_bwd + dp_exposed) * 1e3
+    exposed = blocks.exposed_comm_ms - blocks.detail["dp_sync_ms"] + (embedding_fwd + embedding_bwd_comm + head_fwd + head_bwd + dp_exposed - late) * 1e3
     detail = {"blocks_ms": blocks.step_ms - blocks.detail["dp_sync_ms"], "embedding_ms": (embedding_fwd + embedding_bwd) * 1e3,
               "head_ms": (3 * t_head + head_fwd + head_bwd) * 1e3, "loss_ms": loss * 1e3, "optimizer_ms": optimizer * 1e3,
               "dp_sync_ms": dp_sync * 1e3, "dp_exposed_ms": dp_exposed * 1e3}
