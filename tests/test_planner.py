@@ -342,7 +342,7 @@ def test_grads_at_end_takes_a_share_of_the_weight_scatters_off():
 
 
 def test_whole_job_predictions_on_the_block_gathered_at_once_runs():
-    """Runs AQ–BB (4× H200; 2 and 4 GPUs, NVLink and P2P off; with and without ``grads_at_end``),
+    """Runs AQ–BC (4× H200; 2 and 4 GPUs, NVLink and P2P off; with and without ``grads_at_end``),
     each priced with the machine it measured: every step time within 15% except GPT-2 4×1×1 on 4
     GPUs (host-bound: its steps moved by up to 44% within a case) and 2×2×1 with P2P off without
     the options (+18.6%); every ``grads_at_end`` case at Llama shapes within 15%."""
@@ -350,10 +350,10 @@ def test_whole_job_predictions_on_the_block_gathered_at_once_runs():
     import check_job_planner
 
     runs = ("aq-packed-4gpu", "ar-alloc", "as-together", "at-first-alone", "au-repeat", "av-gpt2", "aw-scatter-runs",
-            "ax-priority", "ay-host", "az-host-profile", "ba-p2p-layouts", "bb-p2p-peers")
+            "ax-priority", "ay-host", "az-host-profile", "ba-p2p-layouts", "bb-p2p-peers", "bc-p2p-auto")
     files = sorted(f for run in runs for f in glob.glob(os.path.join(ROOT, "benchmarks", "results", f"2026-11-27-h200x4-{run}", "*", "job_*.json")))
     points, skipped = check_job_planner.rows(files)
-    assert len(points) == 82 and not skipped
+    assert len(points) == 85 and not skipped
     misses = [p for p in points if abs(p["step_err"]) > 0.15]
     assert all((p["model"].startswith("gpt2") and p["world"] == 4 and "4x1x1" in p["case"])
                or (p["links"] == "p2p-off" and "late" not in p["case"]) for p in misses), [(p["case"], p["step_err"]) for p in misses]
