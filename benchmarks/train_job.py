@@ -338,7 +338,7 @@ def resolve_auto(run: Run, method: Method, config: GPTConfig, batch: int, seq: i
     the whole job priced on the ``machine`` measured at the start."""
     shape = ModelShape(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden,
                        kv_heads=config.n_kv_head, gated=config.style == "llama", vocab=config.vocab_size)
-    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, shape, method.async_tp, machine)
+    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, shape, method.async_tp, machine, method.half_grads)
     return dataclasses.replace(method, grid=tuple(grid), dp=dp)
 
 

@@ -555,12 +555,13 @@ def cube_grids(n: int) -> list[tuple[int, int, int]]:
 
 
 def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1d: bool = True,
-               async_tp: bool = False, compiled: bool = False) -> list[Prediction]:
+               async_tp: bool = False, compiled: bool = False, half_grads: bool = False) -> list[Prediction]:
     """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest; with
     ``async_tp`` as collective matmuls, on cubes inside one node only) and, with ``include_1d``,
     every 1-D TP size up to a node with dp, sorted by predicted step time. With ``shape.vocab`` the
-    3-D grids are priced as whole training steps (:func:`predict_job`, blocks ``compiled`` or not)
-    and no 1-D layout is offered (its model prices block stacks only)."""
+    3-D grids are priced as whole training steps (:func:`predict_job`, blocks ``compiled`` or not,
+    the gradient reduction over dp in bf16 with ``half_grads``) and no 1-D layout is offered (its
+    model prices block stacks only)."""
     m = machine or DEFAULT_MACHINE
     out = []
     for cube in (c for c in range(1, world + 1) if world % c == 0):
@@ -571,7 +572,7 @@ def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1
                 if shape.vocab is None:
                     out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp))
                 else:
-                    out.append(predict_job(shape, grid, world // cube, m, async_tp=async_tp, compiled=compiled))
+                    out.append(predict_job(shape, grid, world // cube, m, async_tp=async_tp, compiled=compiled, half_grads=half_grads))
     if include_1d and shape.vocab is None:
         for tp in (t for t in range(1, min(world, m.gpus_per_node) + 1) if world % t == 0):
             kv_heads = shape.kv_heads if shape.kv_heads is not None else shape.heads
@@ -587,20 +588,20 @@ def fits(p: Prediction, machine: Machine = None) -> bool:
 def best_grid(hidden: int, heads: int, seq: int, batch: int, layers: int, world: int,
               machine: Machine = None, ffn: int | None = None, async_tp: bool = False,
               kv_heads: int | None = None, gated: bool = False, vocab: int | None = None,
-              compiled: bool = False) -> tuple[int, int, int]:
+              compiled: bool = False, half_grads: bool = False) -> tuple[int, int, int]:
     """The ``(px, py, pz)`` with the lowest predicted step time that fits in memory (dp = world /
     px·py·pz); the model is the global-batch GPT stack of ``hidden``, ``heads``, ``seq``, ``batch``
     and ``layers`` (``ffn``, ``kv_heads``, ``gated`` and ``vocab`` as :class:`ModelShape`: with
-    ``vocab``, the whole training step of :func:`predict_job`, its blocks ``compiled`` or not), its
-    products collective matmuls with ``async_tp``. This is what ``grid="auto"`` uses when the
-    model's shape is known.
+    ``vocab``, the whole training step of :func:`predict_job`, its blocks ``compiled`` or not, its
+    gradient reduction over dp in bf16 with ``half_grads``), its products collective matmuls with
+    ``async_tp``. This is what ``grid="auto"`` uses when the model's shape is known.
 
     Raises:
         ValueError: no grid divides the shape, or none fits in memory.
     """
     m = machine or DEFAULT_MACHINE
     shape = ModelShape(hidden, heads, seq, batch, layers, ffn, kv_heads, gated, vocab)
-    options = candidates(shape, world, m, include_1d=False, async_tp=async_tp, compiled=compiled)
+    options = candidates(shape, world, m, include_1d=False, async_tp=async_tp, compiled=compiled, half_grads=half_grads)
     if not options:
         raise ValueError(f"no px·py·pz grid with dp filling {world} ranks divides hidden={hidden}, heads={heads}, batch={batch}; "
                          f"use a batch that is a multiple of {world} and heads/hidden divisible by the grid")

@@ -359,3 +359,23 @@ def test_whole_job_predictions_on_the_block_gathered_at_once_runs():
                or (p["links"] == "p2p-off" and "late" not in p["case"]) for p in misses), [(p["case"], p["step_err"]) for p in misses]
     late = [p for p in points if "late" in p["case"].split() and p["model"].startswith("llama")]
     assert len(late) >= 20 and max(abs(p["step_err"]) for p in late) < 0.15
+
+
+def test_half_precision_reductions_move_the_pick_with_p2p_off():
+    """Priced with the links run BC measured with P2P off, ``grid="auto"`` picks 2×2×1 for Llama
+    shapes; told the dp reduction runs in bf16 (``half_grads``), 1×2×1 with dp 2, the fastest
+    layout measured there (249.1 ms against 269.3 for 2×2×1)."""
+    import json
+
+    from lightning_3d.strategy import grid_rules
+
+    path = os.path.join(ROOT, "benchmarks", "results", "2026-11-27-h200x4-bc-p2p-auto", "bc_p2p", "job_w4_llama-7b_p2p-off.json")
+    with open(path) as f:
+        meta = json.load(f)["meta"]
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import check_job_planner
+
+    shape, machine = check_job_planner.shape_of(meta), planner.Machine.from_rates(meta["machine"])
+    assert grid_rules.resolve("auto", "auto", 4, 4, shape, machine=machine) == ((2, 2, 1), 1)
+    assert grid_rules.resolve("auto", "auto", 4, 4, shape, machine=machine, half_grads=True) == ((1, 2, 1), 2)
+

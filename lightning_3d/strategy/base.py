@@ -194,7 +194,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         """``(px, py, pz)`` and dp for this world; :class:`ConfigurationError` naming the fix when they cannot be."""
         with same_on_every_rank():
             shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape,
-                                           self.async_tp, self._machine)
+                                           self.async_tp, self._machine, grid_rules.halves_gradients(self.ddp_comm_hook))
         why = None if self._model_shape is None else planner.grid_error(self._model_shape, shape, dp)
         if why is not None:
             raise ConfigurationError(f"model_shape={self._model_shape} does not split on the {'×'.join(map(str, shape))} grid "

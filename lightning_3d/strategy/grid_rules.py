@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
+
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import arguments, planner
+
+HALF_PRECISION_HOOKS = (default_hooks.bf16_compress_hook, default_hooks.fp16_compress_hook)
 
 
 def auto_shape(n: int) -> tuple[int, int, int]:
@@ -29,13 +34,14 @@ def check_dp_arg(dp) -> str | int:
 
 def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices_per_node: int,
             model_shape: planner.ModelShape | None = None, async_tp: bool = False,
-            machine: planner.Machine | None = None) -> tuple[tuple[int, int, int], int]:
+            machine: planner.Machine | None = None, half_grads: bool = False) -> tuple[tuple[int, int, int], int]:
     """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
 
     ``grid="auto"`` with dp ``"auto"`` and a ``model_shape`` takes the cost model's fastest grid
     that fits (:func:`lightning_3d.planner.best_grid`, nodes of ``devices_per_node`` GPUs, links
     between them priced as such), on ``machine``'s rates (:func:`lightning_3d.machine.measure_machine`;
-    default :data:`~lightning_3d.planner.DEFAULT_MACHINE`); without a shape it factors the devices of one node, so that
+    default :data:`~lightning_3d.planner.DEFAULT_MACHINE`; ``half_grads``: the gradient reduction over
+    dp runs in half precision, :func:`halves_gradients`); without a shape it factors the devices of one node, so that
     each cube lies inside a node and dp spans the nodes (or ``world / dp`` when dp is given).
     ``data_parallel_size="auto"`` takes the rest.
 
@@ -45,7 +51,8 @@ def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices
     if grid == "auto":
         if dp == "auto" and model_shape is not None:
             machine = dataclasses.replace(machine or planner.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
-            shape = planner.best_grid(**dataclasses.asdict(model_shape), world=world, machine=machine, async_tp=async_tp)
+            shape = planner.best_grid(**dataclasses.asdict(model_shape), world=world, machine=machine, async_tp=async_tp,
+                                      half_grads=half_grads)
             return shape, world // math.prod(shape)
         if dp == "auto":
             cube = math.gcd(devices_per_node, world)
@@ -65,3 +72,10 @@ def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices
         raise ValueError(f"world size {world} != data_parallel_size·px·py·pz = {dp}·{cube} = {dp * cube} (grid {grid}); "
                          f"launch {dp * cube} processes or change grid / data_parallel_size")
     return grid, dp
+
+
+def halves_gradients(ddp_comm_hook: Callable | None) -> bool:
+    """Whether ``ddp_comm_hook`` is one of PyTorch's hooks that reduce gradients in half precision
+    (``default_hooks.bf16_compress_hook``, ``fp16_compress_hook``): half the bytes over dp, as the
+    cost model prices with ``half_grads``."""
+    return ddp_comm_hook in HALF_PRECISION_HOOKS
