@@ -115,8 +115,6 @@ def scatter_at_end(gathered_grad: torch.Tensor, group, weight: torch.Tensor) -> 
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's stream for the reduce-scatters, of high priority, as FSDP's: its kernels take
-    the SMs the backward products free before the next product's do."""
     if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device, priority=-1)
+        _side_streams[device] = torch.cuda.Stream(device)
     return _side_streams[device]
