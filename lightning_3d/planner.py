@@ -320,9 +320,10 @@ class _Collectives:
 
 
 def _product(c: _Collectives, tokens: float, r: str, fa: str, n: int, k: int, rate: float, save_gathered: bool,
-             async_tp: bool) -> tuple[float, float, float, float]:
+             async_tp: bool) -> tuple[float, float, float, float, float]:
     """One 3-D product ``[tokens, n] @ [n, k]`` whose input is split over ``r`` and features over ``fa``:
-    seconds of its forward GEMM, of the communication forward and backward expose, and of all its communication."""
+    seconds of its forward GEMM, of the communication forward and backward expose, of all its
+    communication, and of its weight gradient's reduce-scatter over x."""
     m, sizes = c.machine, c.sizes
     px = sizes["x"]
 
@@ -353,7 +354,7 @@ def _product(c: _Collectives, tokens: float, r: str, fa: str, n: int, k: int, ra
     else:  # the larger scatter hides behind the other product, the smaller is exposed
         larger, smaller = max(rs_da, rs_dw), min(rs_da, rs_dw)
         bwd = max(ag_dc, regather) + max(0.0, larger - t_mm) + smaller
-    return t_mm, fwd, bwd, comm
+    return t_mm, fwd, bwd, comm, rs_dw
 
 
 def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machine: Machine = None,
@@ -371,15 +372,15 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     rate = m.matmul_tflops * 1e12 * m.gemm_efficiency
     # the four products of a block: (input axis r, feature axis f, in N, out K)
     products = [("y", "z", h, shape.qkv_out), ("z", "y", h, h), ("y", "z", h, shape.fc1_out), ("z", "y", f, h)]
-    fwd_exposed = bwd_exposed = comm = 0.0
+    fwd_exposed = bwd_exposed = comm = weight_scatters = 0.0
     mm_fwd = []
-    weight_scatters = L * sum(c.seconds("reduce_scatter", "x", k / c.sizes[r] * n / c.sizes[fa]) for r, fa, n, k in products)
     for r, fa, n, k in products:
-        t_mm, fwd_p, bwd_p, comm_p = _product(c, tokens, r, fa, n, k, rate, save_gathered, async_tp)
+        t_mm, fwd_p, bwd_p, comm_p, rs_dw = _product(c, tokens, r, fa, n, k, rate, save_gathered, async_tp)
         mm_fwd.append(t_mm)
         comm += comm_p
         fwd_exposed += fwd_p
         bwd_exposed += bwd_p
+        weight_scatters += L * rs_dw
     fwd_exposed = fwd_exposed * L + c.seconds("all_gather", "x", products[0][3] / py * h / pz)  # first weight of the step
     bwd_exposed *= L
     # latency-bound all-reduces: the biases' gradients (replicated over x and the feature axis),
@@ -477,7 +478,7 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     embedding_fwd = c.seconds("all_gather", "x", emb_w, FP32) + c.seconds("reduce_scatter", "y", emb_out, FP32)
     embedding_bwd_comm = c.seconds("all_gather", "y", emb_out, FP32) + c.seconds("reduce_scatter", "x", emb_w, FP32)
     embedding_bwd = embedding_bwd_comm + 2 * emb_w * FP32 / hbm  # the zeroed gradient block, written and scattered into
-    t_head, head_fwd, head_bwd, head_comm = _product(c, tokens, "z", "y", h, V, rate, save_gathered, async_tp)
+    t_head, head_fwd, head_bwd, head_comm, head_scatter = _product(c, tokens, "z", "y", h, V, rate, save_gathered, async_tp)
     logits = tokens * V / cube
     loss = logits * m.logit_bytes / hbm + (2 * (py > 1) + (px * pz > 1)) * latency  # row max and sums over y, the totals over x·z
     final_norm = tokens * h / cube * BYTES * (m.passes_fwd + m.passes_bwd) / shape.layers / hbm
@@ -492,7 +493,7 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     fwd = blocks.fwd_ms * 1e-3 + embedding_fwd + t_head + head_fwd + final_norm / 2 + loss / 2
     bwd = ((blocks.bwd_ms - blocks.detail["dp_sync_ms"]) * 1e-3 + embedding_bwd + 2 * t_head + head_bwd + final_norm / 2
            + loss / 2 + dp_exposed + optimizer)
-    late = m.late_scatter_fraction * (blocks.detail["weight_scatter_ms"] * 1e-3 + c.seconds("reduce_scatter", "x", V / pz * h / py)) if grads_at_end else 0.0
+    late = m.late_scatter_fraction * (blocks.detail["weight_scatter_ms"] * 1e-3 + head_scatter) if grads_at_end else 0.0
     bwd -= late
     pipelined = async_tp and py * pz > 1  # collective matmuls need an activation axis
     collectives = 8 * sum(p > 1 for p in grid)  # per layer: 4 products, each a gather and a scatter per split axis
