@@ -10,11 +10,10 @@ whole job: forward of embedding, blocks, LM head and loss under bf16 mixed preci
 master weights, backward, the gradient reduction over data parallelism, clipping by the global
 gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defaults`` per GPU count):
 
-- ``3d PXxPYxPZ [dpD] [async|asyncpg] [compile] [nocheck] [regather] [aheadN] [togetherN] [late]``: :class:`~lightning_3d.models.GPT3D` through the
+- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather] [aheadN] [togetherN] [late]``: :class:`~lightning_3d.models.GPT3D` through the
   steps ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
   autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
-  ``async_tp=True`` (over symmetric memory), ``asyncpg`` = the same with
-  ``async_tp_transport="process_group"`` (NCCL), ``compile`` = ``RuntimeOptions(compile=True)`` (each block and the loss's local passes compiled),
+  ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block and the loss's local passes compiled),
   ``nocheck`` = ``check_inputs=False`` (no token-range check), ``regather`` = ``save_gathered=False``
   (gathered operands re-gathered in backward, not kept), ``aheadN`` = ``prefetch_depth=N``
   (N weights gathered ahead, not the default two), ``togetherN`` = ``gathered_together=N``
@@ -120,7 +119,6 @@ class Method:
     dp: int = 1  # 3d, fsdp2-tp
     tp: int = 1  # fsdp2-tp
     async_tp: bool = False
-    async_transport: str = "symmetric_memory"  # 3d: RuntimeOptions.async_tp_transport
     compile: bool = False
     check_inputs: bool = True  # 3d
     save_gathered: bool = True  # 3d
@@ -137,8 +135,7 @@ class Method:
         kind, opts = words[0], words[1:]
         if kind not in ("3d", "tp", "tp-sp", "fsdp2", "fsdp2-tp", "ddp"):
             raise ValueError(f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp")
-        fields = {"kind": kind, "async_tp": "async" in opts or "asyncpg" in opts,
-                  "async_transport": "process_group" if "asyncpg" in opts else "symmetric_memory", "compile": "compile" in opts, "check_inputs": "nocheck" not in opts,
+        fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts, "check_inputs": "nocheck" not in opts,
                   "save_gathered": "regather" not in opts, "checkpointing": "ckpt" in opts,
                   "half_grads": "bf16grad" in opts, "grads_at_end": "late" in opts}
         for w in opts:
@@ -154,11 +151,9 @@ class Method:
                 fields["prefetch_depth"] = int(w[5:])
             elif w.startswith("together"):
                 fields["gathered_together"] = int(w[8:])
-            elif w not in ("auto", "async", "asyncpg", "compile", "nocheck", "regather", "late", "ckpt", "bf16grad"):
+            elif w not in ("auto", "async", "compile", "nocheck", "regather", "late", "ckpt", "bf16grad"):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
-        if method.async_transport == "process_group" and kind != "3d":
-            raise ValueError(f"case {text!r}: asyncpg (collective matmuls over NCCL) is a 3d option; the peers' async TP is 'async'")
         if kind == "3d" and method.grid is not None and method.dp * math.prod(method.grid) != world:
             raise ValueError(f"case {text!r}: dp·px·py·pz = {method.dp * math.prod(method.grid)}, the world has {world} ranks")
         if kind == "fsdp2-tp" and method.dp * method.tp != world:
@@ -170,8 +165,7 @@ class Method:
         common = (" ckpt" if self.checkpointing else "") + (" bf16grad" if self.half_grads else "")
         if self.kind == "3d":
             where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
-            async_word = " asyncpg" if self.async_transport == "process_group" else " async"
-            return (f"3d {where}" + (async_word if self.async_tp else "") + (" compile" if self.compile else "")
+            return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
                     + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
                     + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != DEFAULTS.prefetch_depth else "")
                     + (f" together{self.gathered_together}" if self.gathered_together != DEFAULTS.gathered_together else "")
@@ -252,8 +246,7 @@ def half_precision_hook(run: Run):
 def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:
     """GPT3D through the strategy's steps: DDP over dp, global-norm clipping, bf16 autocast, AdamW."""
     grid = run.grid(method.grid, method.dp)
-    options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, async_tp_transport=method.async_transport,
-                                          compile=method.compile, check_inputs=method.check_inputs,
+    options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, compile=method.compile, check_inputs=method.check_inputs,
                                           save_gathered=method.save_gathered, activation_checkpointing=method.checkpointing,
                                           grads_at_end=method.grads_at_end, prefetch=grid.shape[0] > 1,
                                           prefetch_depth=method.prefetch_depth, gathered_together=method.gathered_together)
@@ -457,8 +450,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="global batch in sequences (the same for every case)")
     parser.add_argument("--cases", default="defaults", help="';'-separated cases in order, or 'defaults' (see the module doc)")
     parser.add_argument("--links", default="nvlink", choices=("nvlink", "p2p-off"),
-                        help="a tag for the links; p2p-off (NCCL_P2P_DISABLE=1) drops async cases over symmetric memory, which "
-                             "bypasses NCCL's setting (asyncpg cases stay)")
+                        help="a tag for the links; p2p-off (NCCL_P2P_DISABLE=1) drops async cases: symmetric memory bypasses NCCL's setting")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--profile", default="", help="';'-separated cases also profiled for 2 steps after timing (GPU kernels on CUDA)")
@@ -483,7 +475,7 @@ def main() -> None:
     methods = [Method.parse(t, run.world) for t in texts]
     profiled = {t.strip() for t in args.profile.split(";") if t.strip()}
     if args.links == "p2p-off":
-        methods = [m for m in methods if not (m.async_tp and m.async_transport == "symmetric_memory")]
+        methods = [m for m in methods if not m.async_tp]
 
     torch.manual_seed(0)
     dense_cpu = {k: v.cpu() if cpu else v.cpu().pin_memory() for k, v in DenseGPT(config, device=run.device).state_dict().items()}

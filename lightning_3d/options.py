@@ -11,8 +11,6 @@ from dataclasses import dataclass, fields
 
 from .arguments import flag, positive_int
 
-TRANSPORTS = ("symmetric_memory", "process_group")  # of RuntimeOptions.async_tp_transport
-
 
 @dataclass
 class RuntimeOptions:
@@ -20,12 +18,8 @@ class RuntimeOptions:
 
     Args:
         async_tp: run each 3-D product's activation gather or scatter as a collective matmul,
-            pipelined block by block with the product (:mod:`lightning_3d.ops.async_tp`).
-        async_tp_transport: how a collective matmul's blocks travel: ``"symmetric_memory"``
-            (default; peer copies through NVLink, every block but one hidden; on CUDA every rank of
-            a cube must reach its peers' memory: one NVLink domain) or ``"process_group"`` (the
-            group's NCCL or gloo collectives, the rank's own block hidden; across nodes, and where
-            NCCL's peer-to-peer is off).
+            pipelined block by block with the product (:mod:`lightning_3d.ops.async_tp`; on CUDA,
+            every rank of a cube must reach its peers' memory: one NVLink domain).
         save_gathered: keep the gathered activation and weight of every 3-D product for backward
             (default) or re-gather them there (less memory, more communication).
         prefetch: gather each weight ``prefetch_depth`` products ahead during forward, and re-gather
@@ -54,7 +48,6 @@ class RuntimeOptions:
     """
 
     async_tp: bool = False
-    async_tp_transport: str = "symmetric_memory"
     save_gathered: bool = True
     prefetch: bool = False
     prefetch_depth: int = 2
@@ -66,15 +59,7 @@ class RuntimeOptions:
 
     def __post_init__(self):
         for f in fields(self):  # checked, not coerced: async_tp="no" would read as True
-            if f.type != "str":
-                (positive_int if f.type == "int" else flag)(getattr(self, f.name), f.name)
-        if self.async_tp_transport not in TRANSPORTS:
-            raise ValueError(f"async_tp_transport must be one of {TRANSPORTS}, got {self.async_tp_transport!r}")
-
-    @property
-    def collective_matmuls(self) -> str:
-        """The transport of the collective matmuls, or ``""`` where ``async_tp`` is off."""
-        return self.async_tp_transport if self.async_tp else ""
+            (positive_int if f.type == "int" else flag)(getattr(self, f.name), f.name)
 
 
 def resolve_options(options: RuntimeOptions | None) -> RuntimeOptions:

@@ -68,22 +68,10 @@ def test_async_tp_refuses_a_cube_across_nodes_and_other_devices():
 
     check_available("cuda", 4, ("dp",))
     with pytest.raises(ValueError, match=r"every cube of px·py·pz = 8 ranks on one node .* the cube's x groups span nodes: "
-                                         r"pass async_tp_transport='process_group' \(NCCL\), use a grid whose px·py·pz "
-                                         r"divides the ranks per node"):
+                                         r"use a grid whose px·py·pz divides the ranks per node"):
         check_available("cuda", 8, ("x",))
-    check_available("cuda", 8, ("x", "y"), transport="process_group")  # NCCL's collectives cross nodes
     with pytest.raises(ValueError, match="async_tp=True runs on 'cuda' or 'cpu' grids, not 'meta': pass async_tp=False"):
-        check_available("meta", 8, transport="process_group")
-
-
-def test_async_tp_transport_is_one_of_two():
-    from lightning_3d.options import RuntimeOptions
-
-    assert RuntimeOptions(async_tp=True, async_tp_transport="process_group").collective_matmuls == "process_group"
-    assert RuntimeOptions(async_tp_transport="process_group").collective_matmuls == ""  # async_tp off
-    with pytest.raises(ValueError, match=r"async_tp_transport must be one of \('symmetric_memory', 'process_group'\), "
-                                         r"got 'nccl'"):
-        RuntimeOptions(async_tp=True, async_tp_transport="nccl")
+        check_available("meta", 8)
 
 
 @pytest.mark.parametrize("mesh, nodes, axes", [

@@ -71,9 +71,8 @@ class MatmulPlan(NamedTuple):
     operand B is a parameter (gathered through the active :class:`WeightPrefetch`, and cast again
     in backward rather than kept as a cast copy); whether dB's reduce-scatter is left for the end
     of backward (B handed out by a :class:`~lightning_3d.ops.late_grads.WeightGradsAtEnd`);
-    how gathers and scatters next to a product run as collective matmuls: their transport
-    (``RuntimeOptions.async_tp_transport``, one of :data:`~lightning_3d.options.TRANSPORTS`), or
-    ``""`` where they do not (``RuntimeOptions.async_tp`` off)."""
+    whether gathers and scatters next to a product run as collective matmuls
+    (``RuntimeOptions.async_tp``)."""
 
     form: str
     groups: tuple
@@ -82,12 +81,12 @@ class MatmulPlan(NamedTuple):
     cast: torch.dtype | None
     b_is_parameter: bool
     grads_at_end: bool
-    async_tp: str
+    async_tp: bool
 
     def fused(self, form: str, k: int) -> bool:
         """Whether the gather or scatter over group ``k`` (0: A's, 1: B's, 2: C's) next to a product
         of ``form`` runs as a collective matmul (:mod:`~lightning_3d.ops.async_tp`)."""
-        return bool(self.async_tp) and form in async_tp.FORMS and self.sizes[k] > 1
+        return self.async_tp and form in async_tp.FORMS and self.sizes[k] > 1
 
     @property
     def recasts_b(self) -> bool:
@@ -123,7 +122,7 @@ def _forward(plan: MatmulPlan, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
     wait_b.wait()
     bias = bias.to(b_full.dtype) if bias is not None and dist.get_rank(group_c) == 0 else None
     if fuse_gather:
-        a_full, c = async_tp.all_gather_matmul(plan.form, a, b_full, bias, group_a, plan.async_tp)
+        a_full, c = async_tp.all_gather_matmul(plan.form, a, b_full, bias, group_a)
         c, _ = comm.reduce_scatter_dim0(c, group_c)
     else:
         c, _ = _product_scatter(plan, plan.form, a_full, b_full, bias, 2)
@@ -162,8 +161,7 @@ def _backward(plan: MatmulPlan, grad_c: torch.Tensor, a: torch.Tensor, b: torch.
         form, (x, y) = _BACKWARD[plan.form][k]
         waits[1 - k].wait()  # dA reads B, dB reads A
         if k == 0 and fuse_gather:
-            operands[2], product = async_tp.all_gather_matmul(form, grad_c.to(a.dtype), operands[y], None, group_c,
-                                                                   plan.async_tp)
+            operands[2], product = async_tp.all_gather_matmul(form, grad_c.to(a.dtype), operands[y], None, group_c)
             grads[0], done = comm.reduce_scatter_dim0(product, group_a, async_op=True)
         elif k == 1 and plan.grads_at_end:
             scatter_at_end(_mm(form, operands[x], operands[y]), plan.groups[1], weight)
@@ -191,7 +189,7 @@ def _product_scatter(plan: MatmulPlan, form: str, a, b, bias, k: int, async_op: 
     return) when the plan fuses it."""
     group = plan.groups[k]
     if plan.fused(form, k):
-        return async_tp.matmul_reduce_scatter(form, a, b, bias, group, plan.async_tp), comm.DONE
+        return async_tp.matmul_reduce_scatter(form, a, b, bias, group), comm.DONE
     return comm.reduce_scatter_dim0(_mm(form, a, b, bias), group, async_op=async_op)
 
 
@@ -245,7 +243,7 @@ def _kept_as_given(plan: MatmulPlan, k: int, dtype: torch.dtype) -> bool:
 @torch.library.custom_op("lightning_3d::matmul3d", mutates_args=())
 def _matmul3d_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, form: str, name_a: str, name_b: str,
                  name_c: str, sizes: list[int], save_gathered: bool, cast: torch.dtype | None, b_is_parameter: bool,
-                 grads_at_end: bool, async_tp: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 grads_at_end: bool, async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, async_tp)
     c, kept_a, kept_b = _forward(plan, a, b, bias)
     return (c, c.new_empty(0) if _kept_as_given(plan, 0, a.dtype) else kept_a,
@@ -268,7 +266,7 @@ def _matmul3d_backward_op(grad_c: torch.Tensor, kept_a: torch.Tensor, kept_b: to
                           shapes: list[int], dtype_a: torch.dtype, dtype_b: torch.dtype, dtype_bias: torch.dtype,
                           needs: list[bool], form: str, name_a: str, name_b: str, name_c: str, sizes: list[int],
                           save_gathered: bool, cast: torch.dtype | None, b_is_parameter: bool, grads_at_end: bool,
-                          async_tp: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, async_tp)
     grads = _as_dtypes(_backward(plan, grad_c, kept_a, kept_b, tuple(needs), weight), (dtype_a, dtype_b, dtype_bias))
     return tuple(g if g is not None else grad_c.new_empty(0) for g in grads)
@@ -322,7 +320,7 @@ def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tens
     sizes = tuple(grid.size(axis) for axis in directions)
     landed = landed_weight(b) if sizes[1] > 1 else None
     plan = MatmulPlan(form, groups, sizes, options.save_gathered, autocast_dtype(a), _is_parameter(b), landed is not None,
-                      options.collective_matmuls)
+                      options.async_tp)
     b = b if landed is None else landed
     if torch.compiler.is_compiling():
         return _matmul3d_op(a, b, bias, *_op_args(plan))[0]

@@ -48,7 +48,7 @@ def check_options(options: RuntimeOptions, grid: Grid) -> None:
           "every rank must run with the same options: set them alike on all ranks (parallelize(options=...), "
           "set_options(model, ...), Tensor3DStrategy(async_tp=...))")
     if options.async_tp:
-        check_available(grid.mesh.device_type, grid.cube_size, grid.axes_across_nodes, options.async_tp_transport)
+        check_available(grid.mesh.device_type, grid.cube_size, grid.axes_across_nodes)
 
 
 def set_options(model: nn.Module, **changes) -> None:
