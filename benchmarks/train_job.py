@@ -10,16 +10,19 @@ whole job: forward of embedding, blocks, LM head and loss under bf16 mixed preci
 master weights, backward, the gradient reduction over data parallelism, clipping by the global
 gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defaults`` per GPU count):
 
-- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather] [aheadN] [togetherN] [late]``: :class:`~lightning_3d.models.GPT3D` through the
+- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather] [aheadN] [togetherN] [early]``: :class:`~lightning_3d.models.GPT3D` through the
   steps ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
   autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
   ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block and the loss's local passes compiled),
   ``nocheck`` = ``check_inputs=False`` (no token-range check), ``regather`` = ``save_gathered=False``
   (gathered operands re-gathered in backward, not kept), ``aheadN`` = ``prefetch_depth=N``
-  (N weights gathered ahead, not the default two), ``togetherN`` = ``gathered_together=N``
-  (the gathers of N consecutive weights started as one collective), ``late`` = ``grads_at_end=True`` (weight
-  gradients' reduce-scatters waited for once, at the end of backward); ``3d auto [async] [compile]``: the
-  grid ``grid="auto"`` picks from the model's shape.
+  (N weights gathered ahead, not the default four), ``togetherN`` = ``gathered_together=N``
+  (the gathers of N consecutive weights started as one collective, not the default four),
+  ``early`` = ``grads_at_end=False`` (each weight gradient's reduce-scatter waited for in its
+  product's backward, not once at the end; ``late``, the default, is accepted); ``3d auto [async]
+  [compile]``: the grid ``grid="auto"`` picks from the model's shape. Before the options' defaults
+  became ``prefetch_depth=4, gathered_together=4, grads_at_end=True``, a case without these words
+  ran ``ahead2 together1 early``; result files record each case's fields.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
   sequence parallelism, each block and the loss compiled, async TP (``peers_job.py``: torchtitan's recipe).
 - ``fsdp2`` (``compile``): FSDP2 over every GPU; ``fsdp2-tp DxT`` (``compile``): FSDP2 over D × TP+SP over T.
@@ -124,7 +127,7 @@ class Method:
     save_gathered: bool = True  # 3d
     prefetch_depth: int = DEFAULTS.prefetch_depth  # 3d
     gathered_together: int = DEFAULTS.gathered_together  # 3d
-    grads_at_end: bool = False  # 3d
+    grads_at_end: bool = DEFAULTS.grads_at_end  # 3d
     checkpointing: bool = False
     half_grads: bool = False  # the dp gradient reduction in bf16 (fp16 on CPU)
 
@@ -137,7 +140,7 @@ class Method:
             raise ValueError(f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp")
         fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts, "check_inputs": "nocheck" not in opts,
                   "save_gathered": "regather" not in opts, "checkpointing": "ckpt" in opts,
-                  "half_grads": "bf16grad" in opts, "grads_at_end": "late" in opts}
+                  "half_grads": "bf16grad" in opts, "grads_at_end": "early" not in opts}
         for w in opts:
             if "x" in w:
                 dims = tuple(int(d) for d in w.split("x"))
@@ -151,7 +154,7 @@ class Method:
                 fields["prefetch_depth"] = int(w[5:])
             elif w.startswith("together"):
                 fields["gathered_together"] = int(w[8:])
-            elif w not in ("auto", "async", "compile", "nocheck", "regather", "late", "ckpt", "bf16grad"):
+            elif w not in ("auto", "async", "compile", "nocheck", "regather", "late", "early", "ckpt", "bf16grad"):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
         if kind == "3d" and method.grid is not None and method.dp * math.prod(method.grid) != world:
@@ -169,7 +172,8 @@ class Method:
                     + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
                     + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != DEFAULTS.prefetch_depth else "")
                     + (f" together{self.gathered_together}" if self.gathered_together != DEFAULTS.gathered_together else "")
-                    + (" late" if self.grads_at_end else "") + common)
+                    + ("" if self.grads_at_end == DEFAULTS.grads_at_end else " late" if self.grads_at_end else " early")
+                    + common)
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
         return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "") + common
 
@@ -338,7 +342,8 @@ def resolve_auto(run: Run, method: Method, config: GPTConfig, batch: int, seq: i
     the whole job priced on the ``machine`` measured at the start."""
     shape = ModelShape(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden,
                        kv_heads=config.n_kv_head, gated=config.style == "llama", vocab=config.vocab_size)
-    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, shape, method.async_tp, machine, method.half_grads)
+    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, shape, method.async_tp, machine, method.half_grads,
+                                  method.grads_at_end)
     return dataclasses.replace(method, grid=tuple(grid), dp=dp)
 
 

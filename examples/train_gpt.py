@@ -103,7 +103,7 @@ class ByteGPT(pl.LightningModule):
     """GPT3D on bytes; the 3-D layers are built in ``configure_model`` on the strategy's grid."""
 
     def __init__(self, n_layer: int, n_head: int, n_embd: int, seq_len: int, dropout: float, lr: float, warmup: int, max_steps: int,
-                 compile: bool = False, regather: bool = False, grads_at_end: bool = False, gather_blocks: bool = False):
+                 compile: bool = False, regather: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.model: GPT3D | None = None
@@ -115,10 +115,7 @@ class ByteGPT(pl.LightningModule):
         if self.model is None:
             hp = self.hparams
             config = GPTConfig(vocab_size=256, block_size=hp.seq_len, n_layer=hp.n_layer, n_head=hp.n_head, n_embd=hp.n_embd, dropout=hp.dropout)
-            # a block gathers four weights: q/k/v, attention output, MLP in and out
-            ahead, together = (4, 4) if hp.gather_blocks else (2, 1)
-            options = RuntimeOptions(compile=hp.compile, save_gathered=not hp.regather, prefetch=hp.regather or hp.gather_blocks,
-                                     prefetch_depth=ahead, gathered_together=together, grads_at_end=hp.grads_at_end)
+            options = RuntimeOptions(compile=hp.compile, save_gathered=not hp.regather)
             self.model = GPT3D(config, grid=self.grid, options=options)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
@@ -193,12 +190,7 @@ def run_parser(description: str, out: str) -> argparse.ArgumentParser:
     p.add_argument("--async-tp", action="store_true", help="collective matmuls over symmetric memory (GPUs of one NVLink domain)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (RuntimeOptions.compile)")
     p.add_argument("--regather", action="store_true",
-                   help="less memory: re-gather weights in backward, two products ahead (save_gathered=False, prefetch=True)")
-    p.add_argument("--grads-at-end", action="store_true",
-                   help="wait for the weight gradients' reduce-scatters once, at the end of backward (RuntimeOptions.grads_at_end)")
-    p.add_argument("--gather-blocks", action="store_true",
-                   help="gather the next block's four weights at once while the current block runs, as FSDP does "
-                        "(prefetch_depth=4, gathered_together=4; with --grads-at-end the fastest setting measured where px > 1)")
+                   help="less memory: re-gather weights in backward, a block ahead, instead of keeping them (save_gathered=False)")
     return p
 
 
@@ -238,7 +230,7 @@ def main() -> None:
                    TokensPerSecond(args.batch_size * args.seq_len)],
     )
     model = ByteGPT(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.dropout, args.lr, args.warmup, args.max_steps,
-                    args.compile, args.regather, args.grads_at_end, args.gather_blocks)
+                    args.compile, args.regather)
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
     ckpt_path = newest_checkpoint(out / "checkpoints") if args.resume else None
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)

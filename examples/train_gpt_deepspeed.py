@@ -70,7 +70,7 @@ def main() -> None:
                    TokensPerSecond(args.batch_size * args.seq_len)],
     )
     model = ByteGPT(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.dropout, args.lr, args.warmup, args.max_steps,
-                    args.compile, args.regather, args.grads_at_end, args.gather_blocks)
+                    args.compile, args.regather)
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
     trainer.fit(model, datamodule=data, ckpt_path=newest_checkpoint(out / "checkpoints") if args.resume else None)
     if trainer.is_global_zero:

@@ -3,7 +3,7 @@
 Ranks are laid out dp-major, then x, y, z (z fastest): ``rank = ((d·px + i)·py + j)·pz + l``.
 Launchers number ranks node by node, so each cube lies inside one node whenever ``px·py·pz``
 divides the ranks per node, and only dp spans nodes. A cube larger than a node spans nodes along
-x first (its outermost axis), then y: x groups move weights only (gathered two products ahead and
+x first (its outermost axis), then y: x groups move weights only (gathered products ahead and
 hidden behind the previous ones), while y and z groups move the activations on every product's
 critical path. :attr:`Grid.axes_across_nodes` records which axes span nodes. Every group a layer needs is built once, at construction, by every rank
 (process-group creation is collective): the four axes of the :class:`DeviceMesh`, the three

@@ -22,18 +22,23 @@ class RuntimeOptions:
             every rank of a cube must reach its peers' memory: one NVLink domain).
         save_gathered: keep the gathered activation and weight of every 3-D product for backward
             (default) or re-gather them there (less memory, more communication).
-        prefetch: gather each weight ``prefetch_depth`` products ahead during forward, and re-gather
-            it as far ahead in backward where ``save_gathered=False``
-            (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`; as many gathered weights of memory).
-        prefetch_depth: how many weights ``prefetch`` gathers ahead (default 2).
+        prefetch: in a parallelized model whose grid has px > 1, gather each weight
+            ``prefetch_depth`` products ahead during forward, and re-gather it as far ahead in
+            backward where ``save_gathered=False`` (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`;
+            as many gathered weights of memory). Default on.
+        prefetch_depth: how many weights ``prefetch`` gathers ahead (default 4).
         gathered_together: how many consecutive weights start their gathers as one collective
-            (default 1). With a Transformer block's count of gathered weights (four in GPT-2 and
+            (default 4). With a Transformer block's count of gathered weights (four in GPT-2 and
             Llama blocks) and ``prefetch_depth`` as large, the next block's weights are gathered
-            at once while the current block runs, as FSDP does: at Llama 7B shapes on an FSDP-like
-            grid (px > 1), with ``grads_at_end``, the fastest setting measured (``docs/benchmarks.md``).
+            at once while the current block runs, as FSDP does. With ``grads_at_end``, the fastest
+            setting measured where px > 1, on H100 and H200 (``docs/benchmarks.md``);
+            ``prefetch_depth=2, gathered_together=1`` gathers weight by weight, two products
+            ahead, holding fewer gathered weights.
         grads_at_end: in a parallelized model, reduce-scatter each gathered weight's gradient
             beside the rest of backward and wait for all of them once, at its end, instead of in
             each product's backward (:mod:`~lightning_3d.ops.late_grads`; on CUDA, one side stream).
+            Default on; autograd still accumulates every gradient, so DDP's and DeepSpeed's
+            gradient hooks see them all, at the end of backward.
         activation_checkpointing: recompute the modules the plan names as checkpoint units in
             backward (non-reentrant ``torch.utils.checkpoint``; dropout masks are replayed).
         compile: run each checkpoint unit (a Transformer block) through ``torch.compile``, one
@@ -49,10 +54,10 @@ class RuntimeOptions:
 
     async_tp: bool = False
     save_gathered: bool = True
-    prefetch: bool = False
-    prefetch_depth: int = 2
-    gathered_together: int = 1
-    grads_at_end: bool = False
+    prefetch: bool = True
+    prefetch_depth: int = 4
+    gathered_together: int = 4
+    grads_at_end: bool = True
     activation_checkpointing: bool = False
     compile: bool = False
     check_inputs: bool = True

@@ -8,7 +8,7 @@ measured matmul rate, memory bandwidth and per-group-size collective bandwidth a
 then charges only the communication the implementation cannot hide:
 
 - 3-D forward: the input all-gather and the output reduce-scatter of each product; the weight
-  all-gather is prefetched two products ahead (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`)
+  all-gather is prefetched products ahead (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`)
   and costs only what the product's own time does not cover (all of it for the first product of a step).
 - 3-D backward: the gradient all-gather; the larger of the two reduce-scatters hides behind the
   other product, the smaller is exposed; when gathered operands are not saved, the activation's
@@ -452,7 +452,9 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     over dp (bf16 with ``half_grads``; DDP's buckets overlap the blocks' backward: only the rest is charged), the
     gradient-norm all-reduce, clipping, AdamW and the weight casts; never less than the host takes to
     issue the step (:attr:`Machine.host_layer_ms`). ``grads_at_end`` (``RuntimeOptions.grads_at_end``)
-    takes :attr:`Machine.late_scatter_fraction` of the weight gradients' reduce-scatters off the step. Memory: the fp32 parameters and
+    takes :attr:`Machine.late_scatter_fraction` of the weight gradients' reduce-scatters off the step
+    and, where px > 1, leaves the whole dp reduction after backward (those gradients reach DDP's
+    buckets at its end). Memory: the fp32 parameters and
     Adam's two moments of each shard (and DDP's gradient buckets with dp > 1), the bf16 weight
     copies autocast keeps, the activations, and the logits at the loss.
     """
@@ -488,7 +490,9 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     ddp = m.link("all_reduce", dp, "dp" in c.across)
     ddp = replace(ddp, busbw_GBps=min(ddp.busbw_GBps, m.dp_busbw_GBps))
     dp_sync = ddp.seconds(params * (BYTES if half_grads else FP32) * 2 * (dp - 1) / dp) if dp > 1 else 0.0
-    dp_exposed = max(0.0, dp_sync - m.dp_overlap * blocks.detail["backward_compute_ms"] * 1e-3)
+    # weight gradients handed on at the end of backward (gathered over x) reach DDP's buckets only then
+    dp_hidden = 0.0 if grads_at_end and px > 1 else m.dp_overlap * blocks.detail["backward_compute_ms"] * 1e-3
+    dp_exposed = max(0.0, dp_sync - dp_hidden)
 
     fwd = blocks.fwd_ms * 1e-3 + embedding_fwd + t_head + head_fwd + final_norm / 2 + loss / 2
     bwd = ((blocks.bwd_ms - blocks.detail["dp_sync_ms"]) * 1e-3 + embedding_bwd + 2 * t_head + head_bwd + final_norm / 2
@@ -556,13 +560,15 @@ def cube_grids(n: int) -> list[tuple[int, int, int]]:
 
 
 def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1d: bool = True,
-               async_tp: bool = False, compiled: bool = False, half_grads: bool = False) -> list[Prediction]:
+               async_tp: bool = False, compiled: bool = False, half_grads: bool = False,
+               grads_at_end: bool = False) -> list[Prediction]:
     """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest; with
     ``async_tp`` as collective matmuls, on cubes inside one node only) and, with ``include_1d``,
     every 1-D TP size up to a node with dp, sorted by predicted step time. With ``shape.vocab`` the
     3-D grids are priced as whole training steps (:func:`predict_job`, blocks ``compiled`` or not,
-    the gradient reduction over dp in bf16 with ``half_grads``) and no 1-D layout is offered (its
-    model prices block stacks only)."""
+    the gradient reduction over dp in bf16 with ``half_grads``, the weight gradients handed on at the
+    end of backward with ``grads_at_end``) and no 1-D layout is offered (its model prices block
+    stacks only)."""
     m = machine or DEFAULT_MACHINE
     out = []
     for cube in (c for c in range(1, world + 1) if world % c == 0):
@@ -573,7 +579,8 @@ def candidates(shape: ModelShape, world: int, machine: Machine = None, include_1
                 if shape.vocab is None:
                     out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp))
                 else:
-                    out.append(predict_job(shape, grid, world // cube, m, async_tp=async_tp, compiled=compiled, half_grads=half_grads))
+                    out.append(predict_job(shape, grid, world // cube, m, async_tp=async_tp, compiled=compiled,
+                                           half_grads=half_grads, grads_at_end=grads_at_end))
     if include_1d and shape.vocab is None:
         for tp in (t for t in range(1, min(world, m.gpus_per_node) + 1) if world % t == 0):
             kv_heads = shape.kv_heads if shape.kv_heads is not None else shape.heads
@@ -589,20 +596,21 @@ def fits(p: Prediction, machine: Machine = None) -> bool:
 def best_grid(hidden: int, heads: int, seq: int, batch: int, layers: int, world: int,
               machine: Machine = None, ffn: int | None = None, async_tp: bool = False,
               kv_heads: int | None = None, gated: bool = False, vocab: int | None = None,
-              compiled: bool = False, half_grads: bool = False) -> tuple[int, int, int]:
+              compiled: bool = False, half_grads: bool = False, grads_at_end: bool = False) -> tuple[int, int, int]:
     """The ``(px, py, pz)`` with the lowest predicted step time that fits in memory (dp = world /
     px·py·pz); the model is the global-batch GPT stack of ``hidden``, ``heads``, ``seq``, ``batch``
     and ``layers`` (``ffn``, ``kv_heads``, ``gated`` and ``vocab`` as :class:`ModelShape`: with
     ``vocab``, the whole training step of :func:`predict_job`, its blocks ``compiled`` or not, its
-    gradient reduction over dp in bf16 with ``half_grads``), its products collective matmuls with
-    ``async_tp``. This is what ``grid="auto"`` uses when the model's shape is known.
+    gradient reduction over dp in bf16 with ``half_grads``, its weight gradients handed on at the end
+    of backward with ``grads_at_end``), its products collective matmuls with ``async_tp``. This is what ``grid="auto"`` uses when the model's shape is known.
 
     Raises:
         ValueError: no grid divides the shape, or none fits in memory.
     """
     m = machine or DEFAULT_MACHINE
     shape = ModelShape(hidden, heads, seq, batch, layers, ffn, kv_heads, gated, vocab)
-    options = candidates(shape, world, m, include_1d=False, async_tp=async_tp, compiled=compiled, half_grads=half_grads)
+    options = candidates(shape, world, m, include_1d=False, async_tp=async_tp, compiled=compiled, half_grads=half_grads,
+                         grads_at_end=grads_at_end)
     if not options:
         raise ValueError(f"no px·py·pz grid with dp filling {world} ranks divides hidden={hidden}, heads={heads}, batch={batch}; "
                          f"use a batch that is a multiple of {world} and heads/hidden divisible by the grid")

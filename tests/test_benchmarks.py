@@ -77,7 +77,7 @@ def test_group_order_micro_benchmark_on_cpu():
 
 def test_train_job_smoke_on_cpu(tmp_path):
     """The whole-job benchmark on 2 ranks: every 3-D grid (auto, async) and each eager peer train the same model alike."""
-    labels = ["3d 2x1x1", "3d 2x1x1 late", "3d 1x2x1 async", "3d 1x1x2", "3d 1x1x1 dp2", "3d auto", "tp-sp", "tp", "fsdp2", "ddp",
+    labels = ["3d 2x1x1", "3d 2x1x1 ahead2 together1 early", "3d 1x2x1 async", "3d 1x1x2", "3d 1x1x1 dp2", "3d auto", "tp-sp", "tp", "fsdp2", "ddp",
               "3d 1x2x1 ckpt", "fsdp2 ckpt", "3d 1x1x1 dp2 bf16grad", "ddp bf16grad"]
     data = _train_job(tmp_path, 2, "tiny-gpt2", ";".join(labels), "--profile", "3d 2x1x1")
     _check_same_job(data, labels)
@@ -120,7 +120,7 @@ def test_train_job_cases_parse_and_refuse_bad_input():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import train_job
 
-    for text in ("3d 1x2x1 dp2 async", "3d 4x1x1 compile regather ahead1 late", "3d auto", "tp-sp compile async", "fsdp2-tp 2x2 compile", "ddp"):
+    for text in ("3d 1x2x1 dp2 async", "3d 4x1x1 compile regather ahead1 early", "3d auto", "tp-sp compile async", "fsdp2-tp 2x2 compile", "ddp"):
         assert train_job.Method.parse(text, 4).label == text
     for text, words in (("3d 2x2x2", "dp·px·py·pz = 8"), ("fsdp2-tp 2x4", "dp·tp = 8"), ("megatron", "first word"), ("tp fast", "'fast'")):
         with pytest.raises(ValueError, match=re.escape(words)):

@@ -13,6 +13,7 @@ from torch import nn
 import harness
 from checks import assert_close, on_grids, rel, seed_for, value_error
 from lightning_3d.layers import Module3D
+from lightning_3d.options import RuntimeOptions
 from lightning_3d.parallel import (
     LMHead,
     Linear,
@@ -110,8 +111,10 @@ def equality_job(grid):
     ref = dense(ids, targets)
     ref.backward()
     errs = {}
-    for run, options in enumerate([{}, dict(save_gathered=False, prefetch=True, activation_checkpointing=True),
-                                   dict(prefetch=True, prefetch_depth=3, gathered_together=3, grads_at_end=True)]):
+    # the defaults (a block's weights gathered at once, weight gradients at the end), none of it,
+    # and re-gathering under checkpointing with another prefetch
+    for run, options in enumerate([{}, dict(prefetch=False, grads_at_end=False),
+                                   dict(save_gathered=False, activation_checkpointing=True, prefetch_depth=3, gathered_together=3)]):
         model = parallelize(copy.deepcopy(dense), plan(), grid=grid)
         set_options(model, **options)
         for _ in range(2):  # prefetch follows the order recorded by the first forward
@@ -119,9 +122,9 @@ def equality_job(grid):
             loss = model(ids, targets)
             loss.backward()
         errs[f"{run}_loss"] = rel(loss.detach(), ref.detach())
-        fetched = backward_prefetch()  # the options' prefetch, as they set it
-        errs[f"{run}_prefetch"] = float(bool(options) and (fetched._forward.depth, fetched._forward.together)
-                                        != (options.get("prefetch_depth", 2), options.get("gathered_together", 1)))
+        wanted, fetched = RuntimeOptions(**options), backward_prefetch()  # the options' prefetch, where x gathers weights
+        errs[f"{run}_prefetch"] = float(wanted.prefetch and grid.size("x") > 1 and (fetched._forward.depth, fetched._forward.together)
+                                        != (wanted.prefetch_depth, wanted.gathered_together))
         grads = _grads_as_dense(model)
         errs.update({f"{run}_d{k}": rel(grads[k], p.grad) for k, p in dense.named_parameters()})
     errs["keys"] = float(list(grads) != list(dense.state_dict()))

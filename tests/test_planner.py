@@ -326,13 +326,16 @@ def test_whole_job_predictions_on_the_two_gpu_runs():
 
 def test_grads_at_end_takes_a_share_of_the_weight_scatters_off():
     """``grads_at_end`` takes ``late_scatter_fraction`` of the reduce-scatters of the weights gathered
-    over x off the step: nothing where px = 1, more where the weights' reduce-scatters are slower."""
+    over x off the step: nothing where px = 1, more where the weights' reduce-scatters are slower;
+    with dp > 1 the dp reduction of those gradients starts after backward, hidden behind none of it."""
+    none = replace(planner.DEFAULT_MACHINE, late_scatter_fraction=0.0)
     for grid, dp in (((4, 1, 1), 1), ((2, 2, 1), 1), ((2, 1, 1), 2)):
         plain, late = planner.predict_job(LLAMA_7B, grid, dp), planner.predict_job(LLAMA_7B, grid, dp, grads_at_end=True)
-        assert 0 < plain.step_ms - late.step_ms < plain.detail["blocks_ms"] * 0.1
+        dp_later = late.detail["dp_exposed_ms"] - plain.detail["dp_exposed_ms"]
+        assert dp_later == (0 if dp == 1 else pytest.approx(late.detail["dp_sync_ms"] - plain.detail["dp_exposed_ms"]))
+        assert 0 < plain.step_ms - late.step_ms + dp_later < plain.detail["blocks_ms"] * 0.1
         assert plain.exposed_comm_ms - late.exposed_comm_ms == pytest.approx(plain.step_ms - late.step_ms)
-        none = replace(planner.DEFAULT_MACHINE, late_scatter_fraction=0.0)
-        assert planner.predict_job(LLAMA_7B, grid, dp, none, grads_at_end=True).step_ms == pytest.approx(plain.step_ms)
+        assert planner.predict_job(LLAMA_7B, grid, dp, none, grads_at_end=True).step_ms == pytest.approx(plain.step_ms + dp_later)
     for dp in (1, 4):
         grid = (1, 4 // dp, 1)
         assert planner.predict_job(LLAMA_7B, grid, dp, grads_at_end=True).step_ms == planner.predict_job(LLAMA_7B, grid, dp).step_ms

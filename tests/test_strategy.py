@@ -129,44 +129,72 @@ def test_auto_grid_from_the_cost_model():
         grid_rules.resolve("auto", "auto", 4, 4, ModelShape(4096, 32, 2048, 3, 4))
 
 
-def test_auto_grid_prices_with_the_given_machine():
-    """``Tensor3DStrategy(machine=...)``: slow links (15 GB/s, as through host memory) move Llama 7B's whole
-    job on 4 GPUs from 4×1×1 to 2×2×1, resolved in the launching process."""
+def _links(pairs_GBps: float | None, quads_GBps: float):
+    """DEFAULT_MACHINE with the links of groups of four (and of two, unless None) at the given bus bandwidth."""
     import dataclasses
 
+    from lightning_3d.planner import DEFAULT_MACHINE, Link
+
+    def link(size, default):
+        speed = quads_GBps if size == 4 else pairs_GBps
+        return default if speed is None else Link(speed, 50.0)
+
+    return dataclasses.replace(DEFAULT_MACHINE, intra={op: {g: link(g, l) for g, l in t.items()} for op, t in DEFAULT_MACHINE.intra.items()})
+
+
+LLAMA_7B_JOB = dict(hidden=4096, heads=32, seq=2048, batch=8, layers=32, ffn=11008, kv_heads=8, gated=True, vocab=32000)
+
+
+def test_auto_grid_prices_with_the_given_machine():
+    """``Tensor3DStrategy(machine=...)``: slow links between four ranks (15 GB/s, as through host
+    memory) move Llama 7B's whole job on 4 GPUs from 4×1×1 to 1×2×1 with dp 2, whose groups are
+    pairs; resolved in the launching process."""
     import lightning.pytorch as pl
 
-    from lightning_3d.planner import DEFAULT_MACHINE, Link, ModelShape
+    from lightning_3d.planner import ModelShape
     from lightning_3d import Tensor3DStrategy
 
-    shape = ModelShape(4096, 32, 2048, 8, 32, 11008, kv_heads=8, gated=True, vocab=32000)
-    slow = dataclasses.replace(DEFAULT_MACHINE, intra={op: {g: Link(15.0, 50.0) for g in t} for op, t in DEFAULT_MACHINE.intra.items()})
+    shape = ModelShape(**LLAMA_7B_JOB)
     picks = [pl.Trainer(accelerator="cpu", devices=4, strategy=Tensor3DStrategy(model_shape=shape, machine=m), logger=False)
-             .strategy._resolve_grid() for m in (None, slow)]
-    assert picks == [((4, 1, 1), 1), ((2, 2, 1), 1)]
+             .strategy._resolve_grid() for m in (None, _links(None, 15.0))]
+    assert picks == [((4, 1, 1), 1), ((1, 2, 1), 2)]
 
 
 def test_auto_grid_prices_a_half_precision_gradient_hook():
     """``ddp_comm_hook=bf16_compress_hook`` halves the bytes of the gradient reduction over dp, and
-    ``grid="auto"`` prices it so: on slow links Llama 7B's whole job moves from 2×2×1 to 1×2×1 with
-    dp 2 (as measured with P2P off, run BC); a hook that does not halve them changes nothing."""
-    import dataclasses
-
+    ``grid="auto"`` prices it so: with pairs at 60 GB/s and groups of four at 15, Llama 7B's whole
+    job moves from 2×2×1 to 1×2×1 with dp 2; a hook that does not halve them changes nothing."""
     import lightning.pytorch as pl
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from lightning_3d.planner import DEFAULT_MACHINE, Link, ModelShape
+    from lightning_3d.planner import ModelShape
     from lightning_3d import Tensor3DStrategy
 
-    shape = ModelShape(4096, 32, 2048, 8, 32, 11008, kv_heads=8, gated=True, vocab=32000)
-    slow = dataclasses.replace(DEFAULT_MACHINE, intra={op: {g: Link(15.0, 50.0) for g in t} for op, t in DEFAULT_MACHINE.intra.items()})
+    shape, machine = ModelShape(**LLAMA_7B_JOB), _links(60.0, 15.0)
 
     def pick(hook):
-        strategy = Tensor3DStrategy(model_shape=shape, machine=slow, ddp_comm_hook=hook)
+        strategy = Tensor3DStrategy(model_shape=shape, machine=machine, ddp_comm_hook=hook)
         return pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False).strategy._resolve_grid()
 
     assert pick(default_hooks.bf16_compress_hook) == pick(default_hooks.fp16_compress_hook) == ((1, 2, 1), 2)
     assert pick(None) == pick(default_hooks.allreduce_hook) == ((2, 2, 1), 1)
+
+
+def test_auto_grid_prices_the_default_options():
+    """The model and its options are made after the grid, so ``grid="auto"`` prices the default
+    ``RuntimeOptions``: the weight gradients handed on at the end of backward (``grads_at_end``)."""
+    import lightning.pytorch as pl
+
+    from lightning_3d import Tensor3DStrategy
+    from lightning_3d.options import RuntimeOptions
+    from lightning_3d.planner import ModelShape
+
+    shape, machine = ModelShape(**LLAMA_7B_JOB), _links(15.0, 15.0)  # uniformly slow links
+    assert RuntimeOptions().grads_at_end
+    assert grid_rules.resolve("auto", "auto", 4, 4, shape, machine=machine, grads_at_end=True) == ((4, 1, 1), 1)
+    assert grid_rules.resolve("auto", "auto", 4, 4, shape, machine=machine) == ((2, 2, 1), 1)  # priced without it
+    strategy = Tensor3DStrategy(model_shape=shape, machine=machine)
+    assert pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False).strategy._resolve_grid() == ((4, 1, 1), 1)
 
 
 def test_grid_rules_and_errors():

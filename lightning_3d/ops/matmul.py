@@ -334,8 +334,8 @@ def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, option
     that gathers them. ``options`` (default :class:`~lightning_3d.options.RuntimeOptions`):
     ``save_gathered=False`` re-gathers A and B in backward instead of keeping them (less memory,
     more communication); ``async_tp`` runs the gathers and scatters next to the product as
-    collective matmuls. Inside an active :class:`WeightPrefetch`, a parameter B is gathered two
-    products ahead (and, with ``save_gathered=False``, re-gathered two products ahead in backward).
+    collective matmuls. Inside an active :class:`WeightPrefetch`, a parameter B is gathered its
+    depth of products ahead (and, with ``save_gathered=False``, re-gathered as far ahead in backward).
     """
     return _matmul("ab", a, b, directions, grid, options)
 

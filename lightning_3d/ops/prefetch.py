@@ -1,4 +1,4 @@
-"""WeightPrefetch: each weight's all-gather started ``depth`` (default two) 3-D products ahead, in forward and in backward."""
+"""WeightPrefetch: each weight's all-gather started ``depth`` (default four) 3-D products ahead, in forward and in backward."""
 
 from __future__ import annotations
 
@@ -67,10 +67,11 @@ class WeightPrefetch:
     order in which the 3-D products gather their operand B when it is a parameter (or a view of
     one); from then on, gathering weight k also starts the gathers of weights k+1 … k+``depth``
     not yet started, so that their communication hides behind product k (and, for ``depth`` > 1,
-    the ones after it) instead of delaying the products that need them. Two ahead (the default)
-    hides a large weight's gather (an MLP's) behind the products before it, not only the one
-    before it, which is small (attention's output projection); more than two gained nothing
-    measurable at 7B shapes (``docs/benchmarks.md``, runs AD–AE). Products that re-gather
+    the ones after it) instead of delaying the products that need them. Two ahead hides a
+    large weight's gather (an MLP's) behind the products before it, not only the one before it,
+    which is small (attention's output projection); the defaults, four ahead started four at a
+    time, gather a GPT or Llama block's four weights at once while the block before runs, the
+    fastest measured with ``grads_at_end`` (``docs/benchmarks.md``). Products that re-gather
     their weight in backward (``save_gathered=False``) do the same there, in backward's own order,
     as FSDP prefetches its backward all-gathers: the backward after a forward is served by the
     prefetch that was active last (for the weights its forwards gathered), until another forward

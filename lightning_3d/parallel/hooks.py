@@ -25,14 +25,16 @@ from .plan import Plan
 
 class _PrefetchWhenEnabled:
     """Enters a :class:`WeightPrefetch` around each forward of the model while ``options.prefetch``
-    is on, made anew when ``options.prefetch_depth`` or ``options.gathered_together`` change."""
+    is on and the grid ``gathers`` weights (px > 1), made anew when ``options.prefetch_depth`` or
+    ``options.gathered_together`` change."""
 
-    def __init__(self, options: RuntimeOptions):
-        self.options, self.prefetch, self.made_for, self.entered = options, None, None, []
+    def __init__(self, options: RuntimeOptions, gathers: bool):
+        self.options, self.gathers, self.prefetch, self.made_for, self.entered = options, gathers, None, None, []
 
     def enter(self, module, args) -> None:
-        self.entered.append(self.options.prefetch)
-        if self.options.prefetch:
+        on = self.options.prefetch and self.gathers
+        self.entered.append(on)
+        if on:
             wanted = (self.options.prefetch_depth, self.options.gathered_together)
             if wanted != self.made_for:
                 self.prefetch, self.made_for = WeightPrefetch(*wanted), wanted
@@ -77,7 +79,7 @@ def attach_model_hooks(model: nn.Module, plan: Plan, grid: Grid, options: Runtim
     ``before_forward`` runs, so that its token checks defer too and an error it raises leaves each
     as entered (PyTorch runs ``always_call`` hooks then); the token checks are read last."""
     tokens = _EachForward(DeferredTokenChecks)
-    prefetch = _PrefetchWhenEnabled(options)
+    prefetch = _PrefetchWhenEnabled(options, gathers=grid.size("x") > 1)
     # The 3-D layers are found once, not at each forward (a walk over a 24-layer GPT's 273 modules
     # takes the host 0.13 ms); a layer added later sums its own gradients, as one outside a model does.
     layers = [m for m in model.modules() if isinstance(m, Module3D)]

@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import arguments, planner
 from .. import checkpoint as ckpt
 from ..grid import Grid, init_grid, set_grid
+from ..options import RuntimeOptions
 from ..parallel import set_options
 from ..planner import ModelShape
 from . import grid_rules
@@ -193,8 +194,10 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
     def _resolve_grid(self) -> tuple[tuple[int, int, int], int]:
         """``(px, py, pz)`` and dp for this world; :class:`ConfigurationError` naming the fix when they cannot be."""
         with same_on_every_rank():
+            # the model and its options are made in configure_model, after the grid: price the default options
             shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape,
-                                           self.async_tp, self._machine, grid_rules.halves_gradients(self.ddp_comm_hook))
+                                           self.async_tp, self._machine, grid_rules.halves_gradients(self.ddp_comm_hook),
+                                           RuntimeOptions.grads_at_end)
         why = None if self._model_shape is None else planner.grid_error(self._model_shape, shape, dp)
         if why is not None:
             raise ConfigurationError(f"model_shape={self._model_shape} does not split on the {'×'.join(map(str, shape))} grid "

@@ -34,14 +34,16 @@ def check_dp_arg(dp) -> str | int:
 
 def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices_per_node: int,
             model_shape: planner.ModelShape | None = None, async_tp: bool = False,
-            machine: planner.Machine | None = None, half_grads: bool = False) -> tuple[tuple[int, int, int], int]:
+            machine: planner.Machine | None = None, half_grads: bool = False,
+            grads_at_end: bool = False) -> tuple[tuple[int, int, int], int]:
     """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
 
     ``grid="auto"`` with dp ``"auto"`` and a ``model_shape`` takes the cost model's fastest grid
     that fits (:func:`lightning_3d.planner.best_grid`, nodes of ``devices_per_node`` GPUs, links
     between them priced as such), on ``machine``'s rates (:func:`lightning_3d.machine.measure_machine`;
     default :data:`~lightning_3d.planner.DEFAULT_MACHINE`; ``half_grads``: the gradient reduction over
-    dp runs in half precision, :func:`halves_gradients`); without a shape it factors the devices of one node, so that
+    dp runs in half precision, :func:`halves_gradients`; ``grads_at_end``: the weight gradients are
+    handed on at the end of backward, ``RuntimeOptions.grads_at_end``); without a shape it factors the devices of one node, so that
     each cube lies inside a node and dp spans the nodes (or ``world / dp`` when dp is given).
     ``data_parallel_size="auto"`` takes the rest.
 
@@ -52,7 +54,7 @@ def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices
         if dp == "auto" and model_shape is not None:
             machine = dataclasses.replace(machine or planner.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
             shape = planner.best_grid(**dataclasses.asdict(model_shape), world=world, machine=machine, async_tp=async_tp,
-                                      half_grads=half_grads)
+                                      half_grads=half_grads, grads_at_end=grads_at_end)
             return shape, world // math.prod(shape)
         if dp == "auto":
             cube = math.gcd(devices_per_node, world)
