@@ -106,7 +106,8 @@ class Machine:
             ``grads_at_end`` takes off the step. Waited for in its product's backward, such a
             reduce-scatter does not hide behind the next GEMM as the model's overlap assumes (its
             kernel waits for SMs the GEMM holds), and about this share of it runs alone; left for
-            the end of backward, it runs beside the rest (fitted).
+            the end of backward, it runs beside the rest, as far as the blocks' backward compute
+            reaches (on slow links the scatters outlast it) (fitted).
     """
 
     matmul_tflops: float
@@ -497,7 +498,9 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     fwd = blocks.fwd_ms * 1e-3 + embedding_fwd + t_head + head_fwd + final_norm / 2 + loss / 2
     bwd = ((blocks.bwd_ms - blocks.detail["dp_sync_ms"]) * 1e-3 + embedding_bwd + 2 * t_head + head_bwd + final_norm / 2
            + loss / 2 + dp_exposed + optimizer)
-    late = m.late_scatter_fraction * (blocks.detail["weight_scatter_ms"] * 1e-3 + head_scatter) if grads_at_end else 0.0
+    # what the weight gradients' reduce-scatters can newly hide behind is the blocks' backward compute
+    late_scatters = min(blocks.detail["weight_scatter_ms"] * 1e-3 + head_scatter, blocks.detail["backward_compute_ms"] * 1e-3)
+    late = m.late_scatter_fraction * late_scatters if grads_at_end else 0.0
     bwd -= late
     pipelined = async_tp and py * pz > 1  # collective matmuls need an activation axis
     collectives = 8 * sum(p > 1 for p in grid)  # per layer: 4 products, each a gather and a scatter per split axis

@@ -182,19 +182,22 @@ def test_auto_grid_prices_a_half_precision_gradient_hook():
 
 def test_auto_grid_prices_the_default_options():
     """The model and its options are made after the grid, so ``grid="auto"`` prices the default
-    ``RuntimeOptions``: the weight gradients handed on at the end of backward (``grads_at_end``)."""
+    ``RuntimeOptions``: the weight gradients handed on at the end of backward (``grads_at_end``),
+    which reach the bf16 dp reduction only after backward and so move the pick from 1×2×1 dp 2 to 2×2×1."""
     import lightning.pytorch as pl
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from lightning_3d import Tensor3DStrategy
     from lightning_3d.options import RuntimeOptions
     from lightning_3d.planner import ModelShape
 
-    shape, machine = ModelShape(**LLAMA_7B_JOB), _links(15.0, 15.0)  # uniformly slow links
+    shape, machine = ModelShape(**LLAMA_7B_JOB), _links(30.0, 15.0)
     assert RuntimeOptions().grads_at_end
-    assert grid_rules.resolve("auto", "auto", 4, 4, shape, machine=machine, grads_at_end=True) == ((4, 1, 1), 1)
-    assert grid_rules.resolve("auto", "auto", 4, 4, shape, machine=machine) == ((2, 2, 1), 1)  # priced without it
-    strategy = Tensor3DStrategy(model_shape=shape, machine=machine)
-    assert pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False).strategy._resolve_grid() == ((4, 1, 1), 1)
+    priced = {late: grid_rules.resolve("auto", "auto", 4, 4, shape, machine=machine, half_grads=True, grads_at_end=late)
+              for late in (False, True)}
+    assert priced == {False: ((1, 2, 1), 2), True: ((2, 2, 1), 1)}
+    strategy = Tensor3DStrategy(model_shape=shape, machine=machine, ddp_comm_hook=default_hooks.bf16_compress_hook)
+    assert pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False).strategy._resolve_grid() == ((2, 2, 1), 1)
 
 
 def test_grid_rules_and_errors():
