@@ -453,8 +453,8 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     over dp (bf16 with ``half_grads``; DDP's buckets overlap the blocks' backward: only the rest is charged), the
     gradient-norm all-reduce, clipping, AdamW and the weight casts; never less than the host takes to
     issue the step (:attr:`Machine.host_layer_ms`). ``grads_at_end`` (``RuntimeOptions.grads_at_end``)
-    takes :attr:`Machine.late_scatter_fraction` of the weight gradients' reduce-scatters off the step
-    and, where px > 1, leaves the whole dp reduction after backward (those gradients reach DDP's
+    takes :attr:`Machine.late_scatter_fraction` of the weight gradients' reduce-scatters (at most of
+    the blocks' backward compute) off the step and, where px > 1, leaves the whole dp reduction after backward (those gradients reach DDP's
     buckets at its end). Memory: the fp32 parameters and
     Adam's two moments of each shard (and DDP's gradient buckets with dp > 1), the bf16 weight
     copies autocast keeps, the activations, and the logits at the loss.
@@ -498,9 +498,10 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     fwd = blocks.fwd_ms * 1e-3 + embedding_fwd + t_head + head_fwd + final_norm / 2 + loss / 2
     bwd = ((blocks.bwd_ms - blocks.detail["dp_sync_ms"]) * 1e-3 + embedding_bwd + 2 * t_head + head_bwd + final_norm / 2
            + loss / 2 + dp_exposed + optimizer)
-    # what the weight gradients' reduce-scatters can newly hide behind is the blocks' backward compute
-    late_scatters = min(blocks.detail["weight_scatter_ms"] * 1e-3 + head_scatter, blocks.detail["backward_compute_ms"] * 1e-3)
-    late = m.late_scatter_fraction * late_scatters if grads_at_end else 0.0
+    late = 0.0
+    if grads_at_end:  # the weight gradients' reduce-scatters newly hide behind the blocks' backward compute, at most
+        scatters = blocks.detail["weight_scatter_ms"] * 1e-3 + head_scatter
+        late = m.late_scatter_fraction * min(scatters, blocks.detail["backward_compute_ms"] * 1e-3)
     bwd -= late
     pipelined = async_tp and py * pz > 1  # collective matmuls need an activation axis
     collectives = 8 * sum(p > 1 for p in grid)  # per layer: 4 products, each a gather and a scatter per split axis
@@ -605,7 +606,8 @@ def best_grid(hidden: int, heads: int, seq: int, batch: int, layers: int, world:
     and ``layers`` (``ffn``, ``kv_heads``, ``gated`` and ``vocab`` as :class:`ModelShape`: with
     ``vocab``, the whole training step of :func:`predict_job`, its blocks ``compiled`` or not, its
     gradient reduction over dp in bf16 with ``half_grads``, its weight gradients handed on at the end
-    of backward with ``grads_at_end``), its products collective matmuls with ``async_tp``. This is what ``grid="auto"`` uses when the model's shape is known.
+    of backward with ``grads_at_end``), its products collective matmuls with ``async_tp``. This is
+    what ``grid="auto"`` uses when the model's shape is known.
 
     Raises:
         ValueError: no grid divides the shape, or none fits in memory.
