@@ -364,6 +364,21 @@ def test_whole_job_predictions_on_the_block_gathered_at_once_runs():
     assert len(late) >= 20 and max(abs(p["step_err"]) for p in late) < 0.15
 
 
+def test_whole_job_predictions_on_the_default_options_runs():
+    """Runs BD–BH (4× H100, 4× and 2× H200; the options that became the defaults, NVLink and P2P
+    off), each priced with the machine it measured: every step time within 15% except GPT-2 on 4
+    GPUs, whose host sets the pace."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import check_job_planner
+
+    runs = ("h100x4-bd-async-nccl", "h100x4-be-options", "h200x4-bf-defaults", "h100x4-bg-auto-p2p", "h200x2-bh-auto-2gpu")
+    files = sorted(f for run in runs for f in glob.glob(os.path.join(ROOT, "benchmarks", "results", f"2026-11-27-{run}", "*", "job_*.json")))
+    points, skipped = check_job_planner.rows(files)
+    assert len(points) == 38 and not skipped
+    misses = [p for p in points if abs(p["step_err"]) > 0.15]
+    assert all(p["model"].startswith("gpt2") and p["world"] == 4 for p in misses), [(p["case"], p["step_err"]) for p in misses]
+
+
 def test_half_precision_reductions_move_the_pick_with_p2p_off():
     """Priced with the links run BC measured with P2P off, ``grid="auto"`` picks 2×2×1 for Llama
     shapes; told the dp reduction runs in bf16 (``half_grads``), 1×2×1 with dp 2, the fastest
