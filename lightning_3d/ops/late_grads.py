@@ -115,6 +115,7 @@ def scatter_at_end(gathered_grad: torch.Tensor, group, weight: torch.Tensor) -> 
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's stream for the weight gradients' reduce-scatters, made on first use."""
     if device not in _side_streams:
         _side_streams[device] = torch.cuda.Stream(device)
     return _side_streams[device]

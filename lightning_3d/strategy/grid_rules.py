@@ -43,8 +43,9 @@ def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices
     between them priced as such), on ``machine``'s rates (:func:`lightning_3d.machine.measure_machine`;
     default :data:`~lightning_3d.planner.DEFAULT_MACHINE`; ``half_grads``: the gradient reduction over
     dp runs in half precision, :func:`halves_gradients`; ``grads_at_end``: the weight gradients are
-    handed on at the end of backward, ``RuntimeOptions.grads_at_end``); without a shape it factors the devices of one node, so that
-    each cube lies inside a node and dp spans the nodes (or ``world / dp`` when dp is given).
+    handed on at the end of backward, ``RuntimeOptions.grads_at_end``); without a shape it factors
+    the devices of one node, so that each cube lies inside a node and dp spans the nodes (or
+    ``world / dp`` when dp is given).
     ``data_parallel_size="auto"`` takes the rest.
 
     Raises:
