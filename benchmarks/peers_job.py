@@ -17,7 +17,8 @@ here from PyTorch's public APIs, as torchtitan applies it (``parallelize_llama``
 - **async TP**: ``torch._inductor.config._micro_pipeline_tp = True`` and symmetric memory on the
   TP group, with compile.
 - **FSDP2** (``apply_fsdp``): ``fully_shard`` per block, then the root, with
-  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; on a 2-D mesh after TP.
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; on a 2-D mesh after TP; the blocks
+  resharded after forward as torchtitan's default does, or not (its ``reshard_after_forward="never"``).
 - **DDP**: ``DistributedDataParallel`` over the world.
 
 Mixed precision as torchtitan does it: FSDP's policy where FSDP shards, ``torch.autocast``
@@ -204,15 +205,18 @@ def apply_compile(model: PeerGPT) -> None:
         model.layers[i] = torch.compile(layer, fullgraph=True)
 
 
-def apply_fsdp(model: PeerGPT, dp_mesh, reduce_dtype: torch.dtype = torch.float32) -> None:
+def apply_fsdp(model: PeerGPT, dp_mesh, reduce_dtype: torch.dtype = torch.float32, reshard: bool = True) -> None:
     """torchtitan's ``apply_fsdp``: ``fully_shard`` per block, then the root; bf16 compute, ``reduce_dtype``
-    reductions (torchtitan's default float32; its ``mixed_precision_reduce`` setting picks bf16)."""
+    reductions (torchtitan's default float32; its ``mixed_precision_reduce`` setting picks bf16). Each
+    block but the last frees its gathered weights after forward and gathers them again in backward
+    (torchtitan's default ``reshard_after_forward``); ``reshard=False`` keeps every block's (its
+    ``"never"``: ZeRO-2's traffic, no all-gather in backward); the root reshards either way."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if dp_mesh.device_type == "cuda" else None
     kwargs = {"mesh": dp_mesh} | ({"mp_policy": policy} if policy is not None else {})
     for i, layer in enumerate(model.layers):
-        fully_shard(layer, reshard_after_forward=i < len(model.layers) - 1, **kwargs)
+        fully_shard(layer, reshard_after_forward=reshard and i < len(model.layers) - 1, **kwargs)
     fully_shard(model, **kwargs)
 
 

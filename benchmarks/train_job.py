@@ -25,7 +25,9 @@ gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defa
   ran ``ahead2 together1 early``; result files record each case's fields.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
   sequence parallelism, each block and the loss compiled, async TP (``peers_job.py``: torchtitan's recipe).
-- ``fsdp2`` (``compile``): FSDP2 over every GPU; ``fsdp2-tp DxT`` (``compile``): FSDP2 over D × TP+SP over T.
+- ``fsdp2`` (``compile``): FSDP2 over every GPU; ``fsdp2-tp DxT`` (``compile``): FSDP2 over D × TP+SP over T;
+  either with ``noreshard``: no block's weights freed after forward (torchtitan's
+  ``reshard_after_forward="never"``, ZeRO-2: no all-gather in backward, the gathered weights held).
 - ``ddp`` (``compile``): plain data parallelism (one GPU: the dense model alone).
 
 Any case may add ``ckpt``: every block recomputed in backward (ours: ``activation_checkpointing``;
@@ -130,6 +132,7 @@ class Method:
     grads_at_end: bool = DEFAULTS.grads_at_end  # 3d
     checkpointing: bool = False
     half_grads: bool = False  # the dp gradient reduction in bf16 (fp16 on CPU)
+    reshard: bool = True  # fsdp2, fsdp2-tp: free each block's gathered weights after forward (torchtitan's default)
 
     @classmethod
     def parse(cls, text: str, world: int) -> Method:
@@ -140,7 +143,7 @@ class Method:
             raise ValueError(f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp")
         fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts, "check_inputs": "nocheck" not in opts,
                   "save_gathered": "regather" not in opts, "checkpointing": "ckpt" in opts,
-                  "half_grads": "bf16grad" in opts, "grads_at_end": "early" not in opts}
+                  "half_grads": "bf16grad" in opts, "grads_at_end": "early" not in opts, "reshard": "noreshard" not in opts}
         for w in opts:
             if "x" in w:
                 dims = tuple(int(d) for d in w.split("x"))
@@ -154,7 +157,9 @@ class Method:
                 fields["prefetch_depth"] = int(w[5:])
             elif w.startswith("together"):
                 fields["gathered_together"] = int(w[8:])
-            elif w not in ("auto", "async", "compile", "nocheck", "regather", "late", "early", "ckpt", "bf16grad"):
+            elif w == "noreshard" and kind not in ("fsdp2", "fsdp2-tp"):
+                raise ValueError(f"case {text!r}: noreshard is FSDP2's setting (cases fsdp2 and fsdp2-tp)")
+            elif w not in ("auto", "async", "compile", "nocheck", "regather", "late", "early", "ckpt", "bf16grad", "noreshard"):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
         if kind == "3d" and method.grid is not None and method.dp * math.prod(method.grid) != world:
@@ -175,7 +180,8 @@ class Method:
                     + ("" if self.grads_at_end == DEFAULTS.grads_at_end else " late" if self.grads_at_end else " early")
                     + common)
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
-        return self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "") + common
+        return (self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "")
+                + ("" if self.reshard else " noreshard") + common)
 
 
 @dataclasses.dataclass
@@ -306,7 +312,7 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
         torch.compiler.reset()
         peers_job.apply_compile(model)
     if dp_mesh is not None:
-        peers_job.apply_fsdp(model, dp_mesh, torch.bfloat16 if method.half_grads else torch.float32)
+        peers_job.apply_fsdp(model, dp_mesh, torch.bfloat16 if method.half_grads else torch.float32, method.reshard)
     params = list(model.parameters())
     if kind == "ddp" and world > 1:
         model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device])

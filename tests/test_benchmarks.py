@@ -97,8 +97,9 @@ def test_train_job_smoke_on_cpu(tmp_path):
 
 
 def test_train_job_2d_peer_and_llama_on_cpu(tmp_path):
-    """On 4 ranks the Llama-style model: FSDP2 × TP+SP and 3-D grids with dp agree with plain TP+SP."""
-    labels = ["tp-sp", "fsdp2-tp 2x2", "3d 2x2x1 async", "3d 1x2x1 dp2"]
+    """On 4 ranks the Llama-style model: FSDP2 × TP+SP (resharding after forward or not) and 3-D grids
+    with dp agree with plain TP+SP."""
+    labels = ["tp-sp", "fsdp2-tp 2x2", "fsdp2-tp 2x2 noreshard", "3d 2x2x1 async", "3d 1x2x1 dp2"]
     _check_same_job(_train_job(tmp_path, 4, "tiny-llama", ";".join(labels)), labels)
 
 
@@ -120,9 +121,12 @@ def test_train_job_cases_parse_and_refuse_bad_input():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import train_job
 
-    for text in ("3d 1x2x1 dp2 async", "3d 4x1x1 compile regather ahead1 early", "3d auto", "tp-sp compile async", "fsdp2-tp 2x2 compile", "ddp"):
+    for text in ("3d 1x2x1 dp2 async", "3d 4x1x1 compile regather ahead1 early", "3d auto", "tp-sp compile async", "fsdp2-tp 2x2 compile", "ddp",
+                 "fsdp2 compile noreshard bf16grad"):
         assert train_job.Method.parse(text, 4).label == text
-    for text, words in (("3d 2x2x2", "dp·px·py·pz = 8"), ("fsdp2-tp 2x4", "dp·tp = 8"), ("megatron", "first word"), ("tp fast", "'fast'")):
+    assert not train_job.Method.parse("fsdp2 noreshard", 4).reshard and train_job.Method.parse("fsdp2", 4).reshard
+    for text, words in (("3d 2x2x2", "dp·px·py·pz = 8"), ("fsdp2-tp 2x4", "dp·tp = 8"), ("megatron", "first word"), ("tp fast", "'fast'"),
+                        ("3d 4x1x1 noreshard", "FSDP2's setting")):
         with pytest.raises(ValueError, match=re.escape(words)):
             train_job.Method.parse(text, 4)
 
