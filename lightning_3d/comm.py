@@ -42,16 +42,82 @@ def all_gather_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = 
     return out, (work if async_op else DONE)
 
 
-def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup) -> tuple[list[torch.Tensor], object]:
-    """:func:`all_gather_dim0` of each of ``ts`` over ``group``, asynchronously, as one collective
-    call (one NCCL group: the ranks meet once for all of them); returns ``(outputs, handle)``."""
-    if dist.get_world_size(group) == 1 or len(ts) == 1:
-        outs, handles = zip(*(all_gather_dim0(t, group, async_op=True) for t in ts))
-        return list(outs), handles[0]
-    # Private: the only public way to launch several all-gathers as one NCCL group call.
-    with dist._coalescing_manager(group, async_ops=True) as together:
-        outs = [all_gather_dim0(t, group, async_op=True)[0] for t in ts]
-    return outs, together
+def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup,
+                             dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], object]:
+    """:func:`all_gather_dim0` of each of ``ts`` (cast to ``dtype``, default each one's own) over
+    ``group``, asynchronously, as one collective; returns ``(outputs, handle)``.
+
+    The tensors are cast into one flat buffer ``[Σ numel]``, which is gathered at once into
+    ``[g·Σ numel]`` (rank r's buffer r-th), as FSDP gathers a block's parameters; each output
+    ``[g·n_i, ...]`` is then copied out of its columns. On CUDA the copy runs on a side stream as
+    soon as the gather lands, and ``handle.wait()`` only makes the caller's stream wait for it; on
+    CPU ``handle.wait()`` waits and copies. Tensors of different dtypes are gathered one by one.
+    """
+    g = dist.get_world_size(group)
+    cast = [dtype or t.dtype for t in ts]
+    if g == 1 or len(ts) == 1 or len(set(cast)) > 1:
+        outs, handles = zip(*(all_gather_dim0(t.to(d), group, async_op=True) for t, d in zip(ts, cast)))
+        return list(outs), _AllOf(handles)
+    sizes = [t.numel() for t in ts]
+    flat = torch.empty(sum(sizes), dtype=cast[0], device=ts[0].device)
+    for part, t in zip(flat.split(sizes), ts):
+        part.view(t.shape).copy_(t)
+    gathered = flat.new_empty(g * flat.numel())
+    work = _all_gather(gathered, flat, group=group, async_op=True)
+    outs = [flat.new_empty((g * t.shape[0],) + t.shape[1:]) for t in ts]
+    return outs, _CopiedOut(work, flat, gathered, outs, sizes)
+
+
+class _AllOf:
+    """Handle of several collectives: waits for each."""
+
+    def __init__(self, handles):
+        self._handles = handles
+
+    def wait(self) -> None:
+        for handle in self._handles:
+            handle.wait()
+
+
+class _CopiedOut:
+    """Handle of :func:`all_gather_dim0_together`'s gather: its outputs copied out of the gathered buffer."""
+
+    def __init__(self, work, flat: torch.Tensor, gathered: torch.Tensor, outs: list[torch.Tensor], sizes: list[int]):
+        self._copy = (gathered, outs, sizes)
+        self._work, self._done, self._device = work, None, gathered.device
+        if gathered.device.type == "cuda":
+            side = _copy_stream(gathered.device)
+            side.wait_stream(torch.cuda.current_stream(gathered.device))  # the outputs' memory may have had other users
+            with torch.cuda.stream(side):
+                work.wait()  # the side stream waits for the gather; the host does not
+                self._copy_out()
+                self._done = torch.cuda.Event()
+                self._done.record(side)
+            for t in (flat, gathered, *outs):  # made on the caller's stream, used on the side stream
+                t.record_stream(side)
+
+    def _copy_out(self) -> None:
+        gathered, outs, sizes = self._copy
+        rows = gathered.view(len(gathered) // sum(sizes), -1)  # [g, Σ numel]: rank r's buffer in row r
+        torch.split_with_sizes_copy(rows, sizes, dim=1, out=[o.view(len(rows), -1) for o in outs])
+        self._copy = self._work = None
+
+    def wait(self) -> None:
+        if self._done is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._done)
+        elif self._work is not None:
+            self._work.wait()
+            self._copy_out()
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's stream for copying gathered outputs out, made on first use."""
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device)
+    return _copy_streams[device]
 
 
 def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):

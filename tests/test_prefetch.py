@@ -5,11 +5,13 @@ bit-identical gradients."""
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import harness
 from checks import local
 from lightning_3d import Linear3D, RuntimeOptions
+from lightning_3d import comm
 from lightning_3d.ops import WeightPrefetch
 
 N = 8
@@ -48,6 +50,28 @@ def prefetch_job(shape, depth, together=1):
             handle.remove()
         outs.append(bool(torch.equal(y_plain, y_fetched)))
     return outs, in_flight, len(prefetch._forward.order)
+
+
+def together_job():
+    """Per case: whether ``all_gather_dim0_together`` equals one ``all_gather_dim0`` per tensor, dtype
+    included: tensors of different shapes, cast on the way, and of mixed dtypes (gathered one by
+    one); every handle waited twice, as weights of one run each wait for theirs."""
+    group = dist.group.WORLD
+    torch.manual_seed(dist.get_rank())
+    ts = [torch.randn(3, 5, dtype=torch.float64), torch.randn(2, dtype=torch.float64), torch.randn(1, 2, 4, dtype=torch.float64)]
+    same = []
+    for items, dtype in ((ts, None), (ts, torch.float32), ([ts[0], ts[1].float()], None)):
+        outs, handle = comm.all_gather_dim0_together(items, group, dtype)
+        handle.wait()
+        handle.wait()
+        expected = [comm.all_gather_dim0(t.to(dtype or t.dtype), group)[0] for t in items]
+        same.append(all(o.dtype == e.dtype and torch.equal(o, e) for o, e in zip(outs, expected)))
+    return same
+
+
+def test_gathered_together_equals_gathered_one_by_one():
+    for same in harness.run(4, together_job):
+        assert same == [True, True, True]
 
 
 def test_prefetch_is_exact_and_never_stale():

@@ -84,7 +84,8 @@ class WeightPrefetch:
     forward and backward, the one backward needs first.
 
     ``together`` > 1 starts the gathers of the recorded order's positions ``[k·together,
-    (k+1)·together)`` as one collective call (one NCCL group), as FSDP gathers a block's weights at
+    (k+1)·together)`` as one collective, one all-gather of their concatenation
+    (:func:`~lightning_3d.comm.all_gather_dim0_together`), as FSDP gathers a block's weights at
     once: the ranks meet once for each run instead of once for each weight. With as many weights
     a block as ``together``, and ``depth`` = ``together``, the next block's weights are gathered
     while the current block runs, FSDP's scheme; runs start at the order's first weight, so they
@@ -147,10 +148,10 @@ _backward_prefetch: WeightPrefetch | None = None
 
 def _start_gathers(items: list[tuple[torch.Tensor, object]], dtype: torch.dtype | None) -> list[tuple]:
     """``(gathered, handle)`` of each ``(w, group)``: ``w`` in ``dtype`` all-gathered over
-    ``group``, asynchronously; consecutive weights of one group as one collective call."""
+    ``group``, asynchronously; consecutive weights of one group as one collective."""
     out = []
     for group, run in itertools.groupby(items, key=lambda item: item[1]):
-        gathered, handle = comm.all_gather_dim0_together([w.to(dtype or w.dtype) for w, _ in run], group)
+        gathered, handle = comm.all_gather_dim0_together([w for w, _ in run], group, dtype)
         out += [(g, handle) for g in gathered]
     return out
 
