@@ -25,14 +25,14 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 # the caching allocator as torchtitan's launcher sets it, for every method alike
 export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 MODELS="gpt2-1.3b llama-7b"
-P2P_CASES="3d 1x2x1 dp2;3d 4x1x1;3d 2x2x1;3d auto;tp-sp compile;fsdp2 compile;3d 1x1x1 dp4;3d 2x1x1 dp2;3d 1x4x1;fsdp2-tp 2x2 compile;ddp;tp-sp;fsdp2;tp"
-COMPILE4_llama="3d 1x4x1 async compile;fsdp2 compile;3d 1x4x1 async;3d 4x1x1 compile;3d 2x2x1 compile;fsdp2;3d 1x4x1 compile;3d 2x2x1 async compile"
-COMPILE4_gpt2="3d 1x1x1 dp4 compile;ddp compile;ddp;3d 1x1x1 dp4;3d 2x2x1 compile;fsdp2 compile;fsdp2;3d 1x4x1 compile"
-COMPILE2="3d 2x1x1 compile;fsdp2 compile;3d 1x2x1 async compile;3d 1x1x1 dp2 compile;fsdp2;ddp compile;3d 2x1x1"
+P2P_CASES="3d 1x2x1 dp2;3d 4x1x1;3d 2x2x1;3d auto;tp-sp compile;fsdp2 compile;fsdp2 compile noreshard;3d 1x1x1 dp4;3d 2x1x1 dp2;3d 1x4x1;fsdp2-tp 2x2 compile;ddp;tp-sp;fsdp2;tp"
+COMPILE4_llama="3d 1x4x1 async compile;fsdp2 compile;fsdp2 compile noreshard;3d 1x4x1 async;3d 4x1x1 compile;3d 2x2x1 compile;fsdp2;3d 1x4x1 compile;3d 2x2x1 async compile"
+COMPILE4_gpt2="3d 1x1x1 dp4 compile;ddp compile;ddp;3d 1x1x1 dp4;3d 2x2x1 compile;fsdp2 compile;fsdp2 compile noreshard;fsdp2;3d 1x4x1 compile"
+COMPILE2="3d 2x1x1 compile;fsdp2 compile;fsdp2 compile noreshard;3d 1x2x1 async compile;3d 1x1x1 dp2 compile;fsdp2;ddp compile;3d 2x1x1"
 COMPILE1="3d 1x1x1 compile;ddp compile;3d 1x1x1;ddp"
-LARGEST="3d 1x4x1 async compile;fsdp2 compile;3d 4x1x1 compile;3d 2x2x1 compile;tp-sp compile async;fsdp2-tp 2x2 compile;ddp"
+LARGEST="3d 1x4x1 async compile;fsdp2 compile;fsdp2 compile noreshard;3d 4x1x1 compile;3d 2x2x1 compile;tp-sp compile async;fsdp2-tp 2x2 compile;ddp"
 LARGEST="$LARGEST;3d 1x4x1 async compile ckpt;fsdp2 compile ckpt;3d 4x1x1 compile ckpt;tp-sp compile async ckpt;fsdp2-tp 2x2 compile ckpt"
-REPEAT_llama="3d 4x1x1 compile;fsdp2 compile;3d 1x4x1 async compile"
+REPEAT_llama="3d 4x1x1 compile;fsdp2 compile;fsdp2 compile noreshard;3d 1x4x1 async compile"
 REPEAT_gpt2="3d 1x1x1 dp4;ddp;3d 1x1x1 dp4 compile;3d 4x1x1"
 REDUCE="3d 1x1x1 dp4;3d 1x1x1 dp4 bf16grad;ddp;ddp bf16grad;fsdp2;fsdp2 bf16grad;3d 1x2x1 dp2 async;3d 1x2x1 dp2 async bf16grad"
 run_one() {

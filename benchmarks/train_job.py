@@ -106,11 +106,11 @@ RANK_TIMELINE = ("busy_ms", "idle_ms", "exposed_comm_ms", "exposed_by_collective
 
 DEFAULT_CASES = {
     4: ["3d 1x4x1 async", "3d 4x1x1", "3d 2x2x1", "3d auto", "3d auto async", "tp-sp compile async", "tp-sp compile",
-        "fsdp2 compile", "tp-sp", "fsdp2", "fsdp2-tp 2x2 compile", "ddp", "tp", "3d 1x4x1", "3d 2x2x1 async",
+        "fsdp2 compile", "fsdp2 compile noreshard", "tp-sp", "fsdp2", "fsdp2-tp 2x2 compile", "ddp", "tp", "3d 1x4x1", "3d 2x2x1 async",
         "3d 1x1x1 dp4", "3d 1x2x1 dp2 async", "3d 1x2x1 dp2", "3d 2x1x1 dp2", "fsdp2-tp 2x2", "3d 1x2x2", "3d 2x1x2",
         "3d 1x1x4", "3d 1x1x2 dp2", "3d 1x2x2 async", "3d 2x1x2 async", "3d 1x1x4 async"],
     2: ["3d 2x1x1", "3d 1x2x1 async", "3d 1x2x1", "3d auto", "3d auto async", "tp-sp compile async", "tp-sp compile",
-        "fsdp2 compile", "tp-sp", "fsdp2", "ddp", "tp", "3d 1x1x1 dp2", "3d 1x1x2", "3d 1x1x2 async"],
+        "fsdp2 compile", "fsdp2 compile noreshard", "tp-sp", "fsdp2", "ddp", "tp", "3d 1x1x1 dp2", "3d 1x1x2", "3d 1x1x2 async"],
     1: ["3d 1x1x1", "ddp compile", "ddp"],
 }
 
