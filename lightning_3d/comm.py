@@ -60,8 +60,9 @@ def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup,
         return list(outs), _AllOf(handles)
     sizes = [t.numel() for t in ts]
     flat = torch.empty(sum(sizes), dtype=cast[0], device=ts[0].device)
-    for part, t in zip(flat.split(sizes), ts):
-        part.view(t.shape).copy_(t)
+    with torch.no_grad():  # a parameter's copy records no autograd history
+        for part, t in zip(flat.split(sizes), ts):
+            part.view(t.shape).copy_(t)
     gathered = flat.new_empty(g * flat.numel())
     work = _all_gather(gathered, flat, group=group, async_op=True)
     outs = [flat.new_empty((g * t.shape[0],) + t.shape[1:]) for t in ts]
@@ -89,7 +90,7 @@ class _CopiedOut:
             side = _copy_stream(gathered.device)
             side.wait_stream(torch.cuda.current_stream(gathered.device))  # the outputs' memory may have had other users
             with torch.cuda.stream(side):
-                work.wait()  # the side stream waits for the gather; the host does not
+                work.wait()  # the side stream waits for the gather; the host does not (unless TORCH_NCCL_BLOCKING_WAIT)
                 self._copy_out()
                 self._done = torch.cuda.Event()
                 self._done.record(side)
