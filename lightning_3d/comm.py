@@ -87,7 +87,7 @@ class _CopiedOut:
         self._copy = (gathered, outs, sizes)
         self._work, self._done, self._device = work, None, gathered.device
         if gathered.device.type == "cuda":
-            side = _copy_stream(gathered.device)
+            side = side_stream("gathered outputs", gathered.device)
             side.wait_stream(torch.cuda.current_stream(gathered.device))  # the outputs' memory may have had other users
             with torch.cuda.stream(side):
                 work.wait()  # the side stream waits for the gather; the host does not (unless TORCH_NCCL_BLOCKING_WAIT)
@@ -111,14 +111,16 @@ class _CopiedOut:
             self._copy_out()
 
 
-_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_side_streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's stream for copying gathered outputs out, made on first use."""
-    if device not in _copy_streams:
-        _copy_streams[device] = torch.cuda.Stream(device)
-    return _copy_streams[device]
+def side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
+    """The CUDA stream of ``device`` kept for ``purpose`` (one per purpose, made on first use), so
+    that work of one kind runs beside the compute stream without queueing behind another kind's."""
+    key = (purpose, device)
+    if key not in _side_streams:
+        _side_streams[key] = torch.cuda.Stream(device)
+    return _side_streams[key]
 
 
 def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):

@@ -27,7 +27,6 @@ from .. import comm
 
 _LANDED = "_landed_view"  # on a weight inside a WeightGradsAtEnd: its view from the context's node
 _pending: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Stream | None]]] = {}
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -105,17 +104,10 @@ def scatter_at_end(gathered_grad: torch.Tensor, group, weight: torch.Tensor) -> 
         shard, _ = comm.reduce_scatter_dim0(gathered_grad, group)
         _pending.setdefault(_key(weight), []).append((shard.to(weight.dtype), None))
         return
-    side = _side_stream(gathered_grad.device)
+    side = comm.side_stream("weight gradients", gathered_grad.device)
     side.wait_stream(torch.cuda.current_stream(gathered_grad.device))
     with torch.cuda.stream(side):
         shard, _ = comm.reduce_scatter_dim0(gathered_grad, group)
         shard = shard.to(weight.dtype)
     gathered_grad.record_stream(side)  # made on the compute stream, read on the side stream
     _pending.setdefault(_key(weight), []).append((shard, side))
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's stream for the weight gradients' reduce-scatters, made on first use."""
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
