@@ -1,8 +1,10 @@
 """Driver: a run that loses a rank, then its resumption (Lightning's own launcher: ``devices=2``).
 
 ``python kill_resume.py OUT kill``: 2×1×1 (auto for 2 devices), 3 epochs of 3 steps with a checkpoint
-at every epoch end; rank 1 SIGKILLs itself before step 5 (noting the time in ``OUT/killed_at``). The
-survivor must fail within the strategy's timeout (60 s) with tensor3d's message. ``python kill_resume.py OUT resume``: the same run,
+at every epoch end; rank 0 SIGKILLs itself before step 5 (noting the time in ``OUT/killed_at``). The
+survivor, rank 1, must fail within the strategy's timeout (60 s) with tensor3d's message. Rank 0
+dies, not rank 1: rank 0 is the launching process, whose child-process observer kills every rank
+within 5 s of a child's death, sometimes before the survivor's failed collective reports. ``python kill_resume.py OUT resume``: the same run,
 resumed from the newest checkpoint, to the end, saving into the same folder; its losses land in
 ``OUT/resumed.rank<r>.json``.
 """
@@ -23,7 +25,7 @@ import lightning.pytorch as pl
 
 from lightning_3d import Tensor3DStrategy
 
-KILL_RANK, KILL_STEP, TIMEOUT_S = 1, 4, 60
+KILL_RANK, KILL_STEP, TIMEOUT_S = 0, 4, 60
 
 
 class KillRank(pl.Callback):
