@@ -1,9 +1,13 @@
 """The cost model's weak- and strong-scaling tables (laid out as Bian et al. 2021, Tables 1–2)
-at 8, 64, 512 and 4096 GPUs: the best 3-D grid against Megatron 1-D TP=8 with data parallelism.
+at 8, 64, 512 and 4096 GPUs: the best 3-D grid against Megatron 1-D TP=8 with data parallelism
+and against FSDP without resharding after forward.
 
 ``python benchmarks/extrapolate.py [bench_w4.json]`` uses the measured rates of that file (else
 ``planner.DEFAULT_MACHINE``), nodes of 8 GPUs on NVLink, and the assumed inter-node link of the
-planner; 1-D is modelled at its best (fused QKV, no dispatch overhead).
+planner; 1-D is modelled at its best (fused QKV, no dispatch overhead). FSDP is the best grid
+``P×1×1`` with dp (each weight gathered over P ranks once in forward, its gradient
+reduce-scattered once in backward, data parallelism over the rest: FSDP's algorithm with
+``reshard_after_forward=False``, hybrid-sharded), priced by the same model as 3-D.
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ def row(method: str, n: int, shape: planner.ModelShape, p: planner.Prediction | 
 def table(title: str, shapes: dict[int, planner.ModelShape], machine: planner.Machine) -> str:
     lines = [f"\n{title}\n", "| method | # GPUs | batch | hidden | fwd (ms) | bwd (ms) | avg step per sequence (ms) | layout | GiB/GPU | exposed comm |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for method in ("1-D TP=8 + dp", "3-D"):
+    for method in ("1-D TP=8 + dp", "FSDP (P×1×1 + dp)", "3-D"):
         for n, shape in shapes.items():
-            if method == "3-D":
-                options = [planner.predict_3d(shape, g, dp, machine) for g, dp in planner.scaling_candidates(n)
-                           if planner.grid_error(shape, g, dp) is None]
-            else:
+            if method == "1-D TP=8 + dp":
                 options = [planner.predict_1d(shape, 8, n // 8, machine)] if shape.batch % (n // 8) == 0 and shape.heads % 8 == 0 else []
+            else:
+                grids = [(g, dp) for g, dp in planner.scaling_candidates(n) if planner.grid_error(shape, g, dp) is None
+                         and (method == "3-D" or g[1] == g[2] == 1)]
+                options = [planner.predict_3d(shape, g, dp, machine) for g, dp in grids]
             lines.append(row(method, n, shape, best(options, machine), machine))
     return "\n".join(lines)
 

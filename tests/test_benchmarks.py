@@ -131,6 +131,26 @@ def test_train_job_cases_parse_and_refuse_bad_input():
             train_job.Method.parse(text, 4)
 
 
+def test_extrapolation_prices_fsdp_as_the_best_px1x1_grid():
+    """``extrapolate.py``'s FSDP rows use only ``P×1×1`` grids with dp; at 64 and 512 GPUs the model puts
+    a cube-like 3-D grid (P×Q×1) ahead of them."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from dataclasses import replace
+
+    import extrapolate
+    from lightning_3d import planner
+
+    machine = replace(planner.DEFAULT_MACHINE, memory_GiB=140.0)
+    shapes = {64: planner.ModelShape(11264, 88, 2048, 64, 4), 512: planner.ModelShape(12288, 96, 2048, 512, 4)}
+    rows = [line.split(" | ") for line in extrapolate.table("t", shapes, machine).splitlines() if line.startswith("| ")]
+    per_seq = {(r[0][2:], r[1]): (float(r[6]), r[7]) for r in rows if r[0] in ("| FSDP (P×1×1 + dp)", "| 3-D")}
+    for n in ("64", "512"):
+        (fsdp, fsdp_layout), (cube, cube_layout) = per_seq[("FSDP (P×1×1 + dp)", n)], per_seq[("3-D", n)]
+        assert re.fullmatch(r"\d+×1×1( dp\d+)?", fsdp_layout), fsdp_layout
+        assert re.fullmatch(r"\d+×\d+×1( dp\d+)?", cube_layout) and not cube_layout.split("×")[1] == "1", cube_layout
+        assert cube < fsdp, (n, cube, fsdp)
+
+
 def test_largest_model_extrapolates_peak_memory_per_layer(tmp_path):
     """``job_report --largest``: a line through each case's peaks, the most layers under the usable memory."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
