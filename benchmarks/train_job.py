@@ -258,7 +258,7 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
     grid = run.grid(method.grid, method.dp)
     options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, compile=method.compile, check_inputs=method.check_inputs,
                                           save_gathered=method.save_gathered, activation_checkpointing=method.checkpointing,
-                                          grads_at_end=method.grads_at_end, prefetch=grid.shape[0] > 1,
+                                          grads_at_end=method.grads_at_end,
                                           prefetch_depth=method.prefetch_depth, gathered_together=method.gathered_together)
     if method.compile:
         torch.compiler.reset()
