@@ -87,13 +87,10 @@ class WeightGradsAtEnd:
 
 
 def landed_weight(b: torch.Tensor) -> torch.Tensor | None:
-    """``b`` (a parameter, or a view of all of one) as its view from the active
-    :class:`WeightGradsAtEnd`'s node, in ``b``'s shape; None outside one."""
-    root = b if isinstance(b, nn.Parameter) else b._base
-    view = getattr(root, _LANDED, None) if isinstance(root, nn.Parameter) else None
-    if view is None or b.numel() != root.numel() or not b.is_contiguous():
-        return None
-    return view.view(b.shape)
+    """The parameter ``b`` as its view from the active :class:`WeightGradsAtEnd`'s node; None
+    outside one, and for any other tensor: a view of a parameter is not followed to it, since
+    under ``torch.compile`` its ``_base`` does not carry the view (eager and compiled runs agree)."""
+    return getattr(b, _LANDED, None) if isinstance(b, nn.Parameter) else None
 
 
 def scatter_at_end(gathered_grad: torch.Tensor, group, weight: torch.Tensor) -> None:

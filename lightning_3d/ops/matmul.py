@@ -315,16 +315,25 @@ _matmul3d_op.register_autograd(_op_backward, setup_context=_setup_context)
 def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tensor:
     grid, options = resolve_grid(grid), resolve_options(options)
     if grid.cube_size == 1:  # nothing to gather or scatter: the plain product, under plain autograd
-        return _mm(form, a, b, bias)
+        return _mm(form, a, _rows(form, b), bias)
     groups = tuple(grid.group(axis) for axis in directions)
     sizes = tuple(grid.size(axis) for axis in directions)
     landed = landed_weight(b) if sizes[1] > 1 else None
-    plan = MatmulPlan(form, groups, sizes, options.save_gathered, autocast_dtype(a), _is_parameter(b), landed is not None,
+    cast = autocast_dtype(a)
+    plan = MatmulPlan(form, groups, sizes, options.save_gathered, cast, _is_parameter(b), landed is not None,
                       options.async_tp)
-    b = b if landed is None else landed
+    b = _rows(form, b if landed is None else landed)
+    # A in the product's dtype before the product: compiled, the cast joins the kernel that makes A
+    # (a norm), and its gradient's cast back joins the one that reads dA, instead of a pass of their own
+    a = _cast(a, cast)
     if torch.compiler.is_compiling():
         return _matmul3d_op(a, b, bias, *_op_args(plan))[0]
     return _Matmul3D.apply(a, b, bias, plan)
+
+
+def _rows(form: str, b: torch.Tensor) -> torch.Tensor:
+    """B of ``"abt"`` given as a stack ``[g, k', n]`` read as its rows ``[g·k', n]`` (a view)."""
+    return b.flatten(0, -2) if form == "abt" and b.dim() > 2 else b
 
 
 def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, options: RuntimeOptions | None = None) -> torch.Tensor:
@@ -343,6 +352,10 @@ def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, option
 def matmul_abt(a, b, directions=("y", "x", "z"), grid: Grid | None = None, options: RuntimeOptions | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``C = A @ Bᵀ (+ bias)`` with ``b`` ``[k', n]`` (the layout of an ``nn.Linear`` weight); see :func:`matmul_ab`.
+
+    ``b`` may be a stack ``[g, k', n]``, multiplied as its rows ``[g·k', n]``: pass a stacked
+    parameter whole rather than a view of it, so that it is gathered and its gradient handed on as
+    a parameter's (:class:`~lightning_3d.ops.late_grads.WeightGradsAtEnd` finds a parameter only).
 
     ``bias`` ``[k]`` (C's local last dim) is added inside the GEMM of one rank of C's group,
     before the reduce-scatter, so it is counted once and costs no extra pass over C. Its
