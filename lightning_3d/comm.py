@@ -11,6 +11,8 @@ name (:func:`group_named`) and which the compiler keeps whole, as opaque nodes o
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 # Private: the only way from a group's name (what a custom op can take) back to the group.
@@ -49,9 +51,10 @@ def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup,
 
     The tensors are cast into one flat buffer ``[Σ numel]``, which is gathered at once into
     ``[g·Σ numel]`` (rank r's buffer r-th), as FSDP gathers a block's parameters; each output
-    ``[g·n_i, ...]`` is then copied out of its columns. On CUDA the copy runs on a side stream as
-    soon as the gather lands, and ``handle.wait()`` only makes the caller's stream wait for it; on
-    CPU ``handle.wait()`` waits and copies. Tensors of different dtypes are gathered one by one.
+    ``[g·n_i, ...]`` is then copied out of its columns. On CUDA the cast and the gather's launch
+    run on one side stream and the copy on another, as soon as the gather lands, so that neither
+    takes the caller's stream; ``handle.wait()`` only makes the caller's stream wait for the copy.
+    On CPU ``handle.wait()`` waits and copies. Tensors of different dtypes are gathered one by one.
     """
     g = dist.get_world_size(group)
     cast = [dtype or t.dtype for t in ts]
@@ -60,13 +63,29 @@ def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup,
         return list(outs), _AllOf(handles)
     sizes = [t.numel() for t in ts]
     flat = torch.empty(sum(sizes), dtype=cast[0], device=ts[0].device)
-    with torch.no_grad():  # a parameter's copy records no autograd history
+    gathered = flat.new_empty(g * flat.numel())
+    outs = [flat.new_empty((g * t.shape[0],) + t.shape[1:]) for t in ts]
+    with _beside("weight casts", flat), torch.no_grad():  # a parameter's copy records no autograd history
         for part, t in zip(flat.split(sizes), ts):
             part.view(t.shape).copy_(t)
-    gathered = flat.new_empty(g * flat.numel())
-    work = _all_gather(gathered, flat, group=group, async_op=True)
-    outs = [flat.new_empty((g * t.shape[0],) + t.shape[1:]) for t in ts]
+        work = _all_gather(gathered, flat, group=group, async_op=True)  # NCCL waits for this stream only
     return outs, _CopiedOut(work, flat, gathered, outs, sizes)
+
+
+@contextlib.contextmanager
+def _beside(purpose: str, *tensors: torch.Tensor):
+    """On CUDA, run the block on :func:`side_stream` ``purpose``, after the work queued so far on the
+    caller's stream, which made ``tensors`` and keeps using them; elsewhere, run it in place."""
+    device = tensors[0].device
+    if device.type != "cuda":
+        yield
+        return
+    side = side_stream(purpose, device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+    for t in tensors:
+        t.record_stream(side)
 
 
 class _AllOf:
@@ -86,16 +105,12 @@ class _CopiedOut:
     def __init__(self, work, flat: torch.Tensor, gathered: torch.Tensor, outs: list[torch.Tensor], sizes: list[int]):
         self._copy = (gathered, outs, sizes)
         self._work, self._done, self._device = work, None, gathered.device
-        if gathered.device.type == "cuda":
-            side = side_stream("gathered outputs", gathered.device)
-            side.wait_stream(torch.cuda.current_stream(gathered.device))  # the outputs' memory may have had other users
-            with torch.cuda.stream(side):
+        if gathered.device.type == "cuda":  # flat, read by the gather, is not reused before this stream has waited for it
+            with _beside("gathered outputs", flat, gathered, *outs):
                 work.wait()  # the side stream waits for the gather; the host does not (unless TORCH_NCCL_BLOCKING_WAIT)
                 self._copy_out()
                 self._done = torch.cuda.Event()
-                self._done.record(side)
-            for t in (flat, gathered, *outs):  # made on the caller's stream, used on the side stream
-                t.record_stream(side)
+                self._done.record()
 
     def _copy_out(self) -> None:
         gathered, outs, sizes = self._copy
