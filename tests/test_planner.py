@@ -315,7 +315,9 @@ def test_whole_job_predictions_on_the_two_gpu_runs():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import check_job_planner
 
-    points, skipped = check_job_planner.rows(sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "2026-11-27-h200x2-*", "*", "job_*.json"))))
+    runs = ("groups-aj", "late-ak", "ranks-al", "kernels-am", "rope-ao", "rope-ap", "bh-auto-2gpu")
+    points, skipped = check_job_planner.rows(sorted(f for run in runs for f in glob.glob(
+        os.path.join(ROOT, "benchmarks", "results", f"2026-11-27-h200x2-{run}", "*", "job_*.json"))))
     assert len(points) == 36 and not skipped
     over = [p for p in points if abs(p["step_err"]) > 0.15]
     assert all("rope-ap" in p["file"] and "2x1x1" in p["case"] and p["step_err"] < 0.16 for p in over), over
