@@ -111,9 +111,9 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
 def _forward(plan: MatmulPlan, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None):
     """``(C, A kept for backward, B kept for backward)``. Gathers A and B together (B through the
     active prefetch when it is a parameter), multiplies, reduce-scatters C; the bias joins the
-    partial product of one rank of C's group, since the reduce-scatter sums over that group."""
+    partial product of one rank of C's group, since the reduce-scatter sums over that group.
+    A comes in the product's dtype already (:func:`_matmul` casts it)."""
     group_a, _, group_c = plan.groups
-    a, weight = _cast(a, plan.cast), b
     fuse_gather = plan.fused(plan.form, 0)
     a_full, wait_a = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(a, group_a, async_op=True)
     prefetch = active_prefetch() if plan.b_is_parameter else None
@@ -126,7 +126,7 @@ def _forward(plan: MatmulPlan, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
         c, _ = comm.reduce_scatter_dim0(c, group_c)
     else:
         c, _ = _product_scatter(plan, plan.form, a_full, b_full, bias, 2)
-    kept_b = weight if plan.recasts_b else b_full if plan.save_gathered else _cast(weight, plan.cast)
+    kept_b = b if plan.recasts_b else b_full if plan.save_gathered else _cast(b, plan.cast)
     return c, a_full if plan.save_gathered else a, kept_b
 
 
@@ -136,7 +136,6 @@ def _backward(plan: MatmulPlan, grad_c: torch.Tensor, a: torch.Tensor, b: torch.
     from A and B as :func:`_forward` kept them. Gradients come in the dtype products run in.
     With ``plan.grads_at_end``, dB is left for ``weight``'s node (:func:`scatter_at_end`) and None."""
     group_a, _, group_c = plan.groups
-    a = _cast(a, plan.cast)
     # dA's first operand is dC in forms "ab" and "abt": its gather can be fused into dA's product
     form_a, (first_a, _) = _BACKWARD[plan.form][0]
     fuse_gather = needs[0] and first_a == 2 and plan.fused(form_a, 2)
