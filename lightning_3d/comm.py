@@ -65,7 +65,7 @@ def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup,
     flat = torch.empty(sum(sizes), dtype=cast[0], device=ts[0].device)
     gathered = flat.new_empty(g * flat.numel())
     outs = [flat.new_empty((g * t.shape[0],) + t.shape[1:]) for t in ts]
-    with _beside("weight casts", flat), torch.no_grad():  # a parameter's copy records no autograd history
+    with beside("weight casts", flat), torch.no_grad():  # a parameter's copy records no autograd history
         for part, t in zip(flat.split(sizes), ts):
             part.view(t.shape).copy_(t)
         work = _all_gather(gathered, flat, group=group, async_op=True)  # NCCL waits for this stream only
@@ -73,17 +73,18 @@ def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup,
 
 
 @contextlib.contextmanager
-def _beside(purpose: str, *tensors: torch.Tensor):
-    """On CUDA, run the block on :func:`side_stream` ``purpose``, after the work queued so far on the
-    caller's stream, which made ``tensors`` and keeps using them; elsewhere, run it in place."""
+def beside(purpose: str, *tensors: torch.Tensor):
+    """On CUDA, run the block on :func:`side_stream` ``purpose`` (yielded), after the work queued so
+    far on the caller's stream, which made ``tensors`` and keeps using them; elsewhere, run it in
+    place (yields None)."""
     device = tensors[0].device
     if device.type != "cuda":
-        yield
+        yield None
         return
     side = side_stream(purpose, device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        yield
+        yield side
     for t in tensors:
         t.record_stream(side)
 
@@ -106,7 +107,7 @@ class _CopiedOut:
         self._copy = (gathered, outs, sizes)
         self._work, self._done, self._device = work, None, gathered.device
         if gathered.device.type == "cuda":  # flat, read by the gather, is not reused before this stream has waited for it
-            with _beside("gathered outputs", flat, gathered, *outs):
+            with beside("gathered outputs", flat, gathered, *outs):
                 work.wait()  # the side stream waits for the gather; the host does not (unless TORCH_NCCL_BLOCKING_WAIT)
                 self._copy_out()
                 self._done = torch.cuda.Event()

@@ -97,14 +97,7 @@ def scatter_at_end(gathered_grad: torch.Tensor, group, weight: torch.Tensor) -> 
     """Reduce-scatter ``gathered_grad`` (the gradient of ``weight`` gathered over ``group``) and
     leave this rank's rows, in ``weight``'s dtype, for the node that handed ``weight`` out. On
     CUDA it runs on a side stream the compute stream does not wait for until that node runs."""
-    if gathered_grad.device.type != "cuda":
-        shard, _ = comm.reduce_scatter_dim0(gathered_grad, group)
-        _pending.setdefault(_key(weight), []).append((shard.to(weight.dtype), None))
-        return
-    side = comm.side_stream("weight gradients", gathered_grad.device)
-    side.wait_stream(torch.cuda.current_stream(gathered_grad.device))
-    with torch.cuda.stream(side):
+    with comm.beside("weight gradients", gathered_grad) as side:
         shard, _ = comm.reduce_scatter_dim0(gathered_grad, group)
         shard = shard.to(weight.dtype)
-    gathered_grad.record_stream(side)  # made on the compute stream, read on the side stream
     _pending.setdefault(_key(weight), []).append((shard, side))
