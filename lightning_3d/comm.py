@@ -74,14 +74,14 @@ def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup,
 
 @contextlib.contextmanager
 def beside(purpose: str, *tensors: torch.Tensor):
-    """On CUDA, run the block on :func:`side_stream` ``purpose`` (yielded), after the work queued so
+    """On CUDA, run the block on the side stream kept for ``purpose`` (yielded), after the work queued so
     far on the caller's stream, which made ``tensors`` and keeps using them; elsewhere, run it in
     place (yields None)."""
     device = tensors[0].device
     if device.type != "cuda":
         yield None
         return
-    side = side_stream(purpose, device)
+    side = _side_stream(purpose, device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         yield side
@@ -130,7 +130,7 @@ class _CopiedOut:
 _side_streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
 
 
-def side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
+def _side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
     """The CUDA stream of ``device`` kept for ``purpose`` (one per purpose, made on first use), so
     that work of one kind runs beside the compute stream without queueing behind another kind's."""
     key = (purpose, device)

@@ -353,8 +353,9 @@ def matmul_abt(a, b, directions=("y", "x", "z"), grid: Grid | None = None, optio
     """``C = A @ Bᵀ (+ bias)`` with ``b`` ``[k', n]`` (the layout of an ``nn.Linear`` weight); see :func:`matmul_ab`.
 
     ``b`` may be a stack ``[g, k', n]``, multiplied as its rows ``[g·k', n]``: pass a stacked
-    parameter whole rather than a view of it, so that it is gathered and its gradient handed on as
-    a parameter's (:class:`~lightning_3d.ops.late_grads.WeightGradsAtEnd` finds a parameter only).
+    parameter whole rather than a view of it, so that its gradient is handed on at the end of
+    backward as a parameter's (:class:`~lightning_3d.ops.late_grads.WeightGradsAtEnd` finds a
+    parameter only).
 
     ``bias`` ``[k]`` (C's local last dim) is added inside the GEMM of one rank of C's group,
     before the reduce-scatter, so it is counted once and costs no extra pass over C. Its
