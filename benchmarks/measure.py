@@ -220,6 +220,30 @@ def peer_waits(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict:
     return {"waited_ms": [round(w / 1e3, 3) for w in waited], "moving_ms": [round(m / 1e3, 3) for m in moving], "collectives": matched}
 
 
+def host_profile(step, steps: int, top: int = 30) -> list:
+    """Run ``step()`` ``steps`` times under Python's cProfile (the host only; the GPU is synchronised
+    before and after) and return the ``top`` Python functions and builtins by their own time:
+    ``[name, calls a step, own ms a step, cumulative ms a step]`` (cProfile's own cost inflates
+    Python calls alike)."""
+    import cProfile
+    import pstats
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
+    return [[f"{os.path.basename(file)}:{line}({name})" if line else name, round(calls / steps, 1),
+             round(own * 1e3 / steps, 3), round(cum * 1e3 / steps, 3)] for (file, line, name), (_, calls, own, cum, _) in rows]
+
+
 def profile_steps(step, steps: int, trace_path: str) -> dict:
     """Run ``step()`` ``steps`` times under the torch profiler; write a gzipped chrome trace and
     return its :func:`kernel_timeline`, with ``host_top_self_ms``: the host's ``HOST_TOP`` most

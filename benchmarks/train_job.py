@@ -43,7 +43,10 @@ timeline of two more steps on rank 0 (busy time, communication, communication no
 compute, the longest kernels) and, from every rank's trace, how long each rank's NCCL kernels
 waited for the last rank to arrive (``peer_waits``: ranks drifting apart) against how long they
 moved data, every rank's busy, idle and exposed time (``by_rank``), and the host ops that took
-rank 0's host longest (``host_top_self_ms``). Reported per case: median step ms over the timed steps (CUDA events, max over ranks),
+rank 0's host longest (``host_top_self_ms``); ``--host-profile`` adds, for the cases it names, the
+Python functions that took rank 0's host longest in three more steps (``host_python_rank0``, from
+cProfile). ``gpt2-narrow`` is GPT-2 1.4B's 24 layers at width 256: its GEMMs take the GPU almost no
+time, so its steps measure how fast each method's host issues them. Reported per case: median step ms over the timed steps (CUDA events, max over ranks),
 tokens/s, TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
 (``max_memory_allocated`` during the steps above what was allocated before the model was built,
 max over ranks), the first step's time (compilation included) and the loss of the first three
@@ -97,6 +100,8 @@ MODELS = {
     "gpt2-1.3b": (dict(style="gpt2", vocab_size=50304, n_embd=2048, n_head=16, n_layer=24), 8, 2048),
     "llama-7b": (dict(style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_kv_head=8, n_layer=8, ffn_hidden=11008), 8, 2048),
     "llama-7b-mha": (dict(style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_layer=8, ffn_hidden=11008), 8, 2048),
+    # GPT-2 1.4B's 24 layers at a width whose GEMMs take the GPU almost no time: every step's pace is its host's
+    "gpt2-narrow": (dict(style="gpt2", vocab_size=50304, n_embd=256, n_head=4, n_layer=24), 8, 2048),
     "tiny-gpt2": (dict(style="gpt2", vocab_size=128, n_embd=32, n_head=4, n_layer=2), 8, 16),
     "tiny-llama": (dict(style="llama", vocab_size=128, n_embd=32, n_head=8, n_kv_head=4, n_layer=2, ffn_hidden=48), 8, 16),
 }
@@ -364,7 +369,7 @@ def free_memory(run: Run) -> None:
 
 
 def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data, batch: int, seq: int, warmup: int, steps: int,
-             profile: bool = False) -> dict:
+             profile: bool = False, host_profile: bool = False) -> dict:
     free_memory(run)
     cuda = not run.cpu
     base = torch.cuda.memory_allocated(run.device) if cuda else 0
@@ -403,6 +408,9 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
         timeline["peer_waits"] = measure.peer_waits(every_rank)
         dist.all_gather_object(every_rank, {k: timeline[k] for k in RANK_TIMELINE})
         timeline["by_rank"] = every_rank
+    if host_profile:  # 3 more steps, every rank profiled alike; rank 0's Python is reported
+        ids, targets = (t[job.rows] for t in data[0])
+        python_top = measure.host_profile(lambda: job.step(ids, targets), 3)
     gc.enable()
     peak = (torch.cuda.max_memory_allocated(run.device) - base) / 2**30 if cuda else 0.0
     loss_t = torch.stack(losses).to(run.device)
@@ -418,6 +426,8 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
               "step_ms_each": times, "host_ms_each": host, "host_ms_by_rank": host_by_rank, "compiled": compiled_summary()}
     if timeline is not None:
         result["profile_rank0_2_steps"] = timeline
+    if host_profile:
+        result["host_python_rank0"] = python_top
     return result
 
 
@@ -465,6 +475,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--profile", default="", help="';'-separated cases also profiled for 2 steps after timing (GPU kernels on CUDA)")
+    parser.add_argument("--host-profile", default="",
+                        help="';'-separated cases whose rank-0 Python is also profiled (cProfile) for 3 steps after timing")
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no case that would end after this many seconds")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--append", action="store_true",
@@ -485,6 +497,7 @@ def main() -> None:
     texts = DEFAULT_CASES[run.world] if args.cases == "defaults" else [t.strip() for t in args.cases.split(";") if t.strip()]
     methods = [Method.parse(t, run.world) for t in texts]
     profiled = {t.strip() for t in args.profile.split(";") if t.strip()}
+    python_profiled = {t.strip() for t in args.host_profile.split(";") if t.strip()}
     if args.links == "p2p-off":
         methods = [m for m in methods if not m.async_tp]
 
@@ -552,7 +565,8 @@ def main() -> None:
         t0 = time.perf_counter()
         error = None
         try:
-            result = run_case(run, method, config, dense_cpu, data, batch, seq, warmup, steps, profile=label in profiled)
+            result = run_case(run, method, config, dense_cpu, data, batch, seq, warmup, steps, profile=label in profiled,
+                              host_profile=label in python_profiled)
         except Exception as e:  # a case that fails (out of memory, a peer's limits) is recorded, the rest still run
             error = f"{type(e).__name__}: {str(e)[:400]}"
             result = {}
