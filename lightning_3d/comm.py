@@ -152,6 +152,32 @@ def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: boo
     return out, (work if async_op else DONE)
 
 
+def reduce_scatter_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup,
+                                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """:func:`reduce_scatter_dim0` of each of ``ts`` over ``group`` as one collective, on the caller's
+    stream; each result ``[n_i, ...]`` in ``dtype`` (default its input's).
+
+    The tensors ``[g·n_i, ...]`` are concatenated rank by rank into one buffer ``[g, Σ n_i·…]``
+    (rank r's rows of each in row r), as FSDP reduce-scatters a block's gradients; the reduced row
+    ``[Σ n_i·…]`` is cast once and the results are views of it. Tensors of different dtypes are
+    reduce-scattered one by one."""
+    g = dist.get_world_size(group)
+    if g == 1 or len(ts) == 1 or len({t.dtype for t in ts}) > 1:
+        return [_as_dtype(reduce_scatter_dim0(t, group)[0], dtype) for t in ts]
+    for t in ts:
+        if t.shape[0] % g:
+            raise ValueError(f"cannot reduce-scatter dim 0 of size {t.shape[0]} over {g} ranks: {t.shape[0]} % {g} != 0")
+    flat = torch.cat([t.reshape(g, -1) for t in ts], dim=1)
+    row = flat.new_empty(flat.shape[1])
+    _reduce_scatter(row, flat.view(-1), group=group)
+    row = _as_dtype(row, dtype)
+    return [part.view((t.shape[0] // g,) + t.shape[1:]) for part, t in zip(row.split([t.numel() // g for t in ts]), ts)]
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
     """All-reduce ``t`` over the group; returns ``(result, handle)``. Eagerly the result is ``t``,
     reduced in place; under ``torch.compile`` it is a new tensor, made by a custom op the compiler

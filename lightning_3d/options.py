@@ -33,7 +33,9 @@ class RuntimeOptions:
             at once while the current block runs, as FSDP does. With ``grads_at_end``, the fastest
             setting measured where px > 1, on H100 and H200 (``docs/benchmarks.md``);
             ``prefetch_depth=2, gathered_together=1`` gathers weight by weight, two products
-            ahead, holding fewer gathered weights.
+            ahead, holding fewer gathered weights. With ``grads_at_end``, the reduce-scatters of
+            as many consecutive weight gradients start as one collective too (a block's, in
+            backward), so that the host issues one a block.
         grads_at_end: in a parallelized model, reduce-scatter each gathered weight's gradient
             beside the rest of backward and wait for all of them once, at its end, instead of in
             each product's backward (:mod:`~lightning_3d.ops.late_grads`; on CUDA, one side stream).

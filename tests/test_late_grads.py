@@ -6,15 +6,18 @@ weights re-gathered and prefetched, with a block's weights gathered as one call,
 recomputed: ``test_compile.py``); the block weights' gradients
 really wait for the end, eager and compiled, the stacked q/k/v and gate/up weights included (each
 is pending when the embedding's output gradient is computed, none is without the option);
-gradients accumulate over micro-batches; DDP over dp reduces them as without the option; and a
-backward that fails half-way leaves nothing a later step hands on.
+gradients accumulate over micro-batches; DDP over dp reduces them as without the option; a
+backward that fails half-way leaves nothing a later step hands on; and the reduce-scatters a block
+starts as one collective equal those of its gradients one by one.
 """
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import harness
 from checks import assert_close, on_grids, rel
+from lightning_3d import comm
 from lightning_3d.ops import late_grads
 from lightning_3d.options import RuntimeOptions
 from lightning_3d.sharding import get_spec, unshard_tensor
@@ -28,8 +31,8 @@ def _block_weights(model) -> list:
 
 
 def _pending_share(grid, grads_at_end: bool, compile: bool = False) -> float:
-    """Share of the block weights whose gradient is left pending for the end of backward (its
-    reduce-scatter started, not yet handed to autograd) when the embedding's output gradient is
+    """Share of the block weights whose gradient is left for the end of backward (its
+    reduce-scatter started or queued, not yet handed to autograd) when the embedding's output gradient is
     computed: every one with the option, none without."""
     if compile:
         torch.compiler.reset()
@@ -39,7 +42,11 @@ def _pending_share(grid, grads_at_end: bool, compile: bool = False) -> float:
     weights = _block_weights(model)
 
     def watch(module, args, out) -> None:
-        out.register_hook(lambda g: seen.append(sum(late_grads._key(w) in late_grads._pending for w in weights) / len(weights)))
+        def share(grad) -> None:
+            left = set(late_grads._pending) | {late_grads._key(w) for _, _, w in late_grads._queued}
+            seen.append(sum(late_grads._key(w) in left for w in weights) / len(weights))
+
+        out.register_hook(share)
 
     model.transformer.wte.register_forward_hook(watch)
     model(idx, targets).backward()
@@ -114,3 +121,29 @@ def late_job(grid):
 
 def test_weight_grads_at_end_equal_dense_and_arrive_at_end():
     assert_close(harness.run(8, on_grids, GRIDS, late_job))
+
+
+def scattered_together_job():
+    """Per case: whether ``reduce_scatter_dim0_together`` equals one ``reduce_scatter_dim0`` per
+    tensor, dtype included: tensors of different shapes, cast on the way, and of mixed dtypes
+    (reduce-scattered one by one); then the error a dim 0 the group does not divide raises."""
+    group, g = dist.group.WORLD, dist.get_world_size()
+    torch.manual_seed(dist.get_rank())
+    ts = [torch.randn(3 * g, 5, dtype=torch.float64), torch.randn(2 * g, dtype=torch.float64),
+          torch.randn(g, 2, 4, dtype=torch.float64)]
+    same = []
+    for items, dtype in ((ts, None), (ts, torch.float32), ([ts[0], ts[1].float()], None)):
+        outs = comm.reduce_scatter_dim0_together(items, group, dtype)
+        expected = [comm.reduce_scatter_dim0(t, group)[0].to(dtype or t.dtype) for t in items]
+        same.append(all(o.dtype == e.dtype and torch.equal(o, e) for o, e in zip(outs, expected)))
+    try:
+        comm.reduce_scatter_dim0_together([ts[0], torch.randn(g + 1, 2, dtype=torch.float64)], group)
+    except ValueError as e:
+        return same, str(e)
+    return same, None
+
+
+def test_scattered_together_equals_scattered_one_by_one():
+    for same, error in harness.run(4, scattered_together_job):
+        assert same == [True, True, True]
+        assert error == "cannot reduce-scatter dim 0 of size 5 over 4 ranks: 5 % 4 != 0"

@@ -12,6 +12,11 @@ them and hands each weight its gradient. Autograd then accumulates them as usual
 DeepSpeed's gradient hooks see them), as FSDP waits for its reduce-scatters once per backward.
 Gradients are the same (bit-identical for a weight one product uses).
 
+The reduce-scatters of ``together`` consecutive gradients of one group start as one collective
+(:func:`~lightning_3d.comm.reduce_scatter_dim0_together`: one flat buffer, as FSDP reduce-scatters
+a block's gradients) once the last of them is made; any left over start when the node runs. The
+host then issues one collective a block instead of one a weight.
+
 Gradients started and not yet handed on are held by weight storage (``_pending``), so that a
 product's custom op, which sees tensors only, can leave its gradient for the node of its weight.
 """
@@ -27,6 +32,7 @@ from .. import comm
 
 _LANDED = "_landed_view"  # on a weight inside a WeightGradsAtEnd: its view from the context's node
 _pending: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Stream | None]]] = {}
+_queued: list[tuple[torch.Tensor, object, torch.Tensor]] = []  # (gathered gradient, group, weight), not yet started
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -46,6 +52,7 @@ class _HandOnAtEnd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        _start_queued()
         started = [_pending.pop(key, []) for key in ctx.keys]
         for stream in {stream for entries in started for _, stream in entries if stream is not None}:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
@@ -74,8 +81,10 @@ class WeightGradsAtEnd:
 
     def __enter__(self) -> WeightGradsAtEnd:
         self._outer.append([(w, getattr(w, _LANDED, None)) for w in self.weights])
-        for w in self.weights:  # a backward that failed half-way left these: never hand them on
-            _pending.pop(_key(w), None)
+        keys = {_key(w) for w in self.weights}
+        for key in keys:  # a backward that failed half-way left these: never hand them on
+            _pending.pop(key, None)
+        _queued[:] = [entry for entry in _queued if _key(entry[2]) not in keys]
         views = _HandOnAtEnd.apply(*self.weights) if torch.is_grad_enabled() and self.weights else (None,) * len(self.weights)
         for w, view in zip(self.weights, views):
             setattr(w, _LANDED, view)
@@ -93,11 +102,28 @@ def landed_weight(b: torch.Tensor) -> torch.Tensor | None:
     return getattr(b, _LANDED, None) if isinstance(b, nn.Parameter) else None
 
 
-def scatter_at_end(gathered_grad: torch.Tensor, group, weight: torch.Tensor) -> None:
+def scatter_at_end(gathered_grad: torch.Tensor, group, weight: torch.Tensor, together: int = 1) -> None:
     """Reduce-scatter ``gathered_grad`` (the gradient of ``weight`` gathered over ``group``) and
-    leave this rank's rows, in ``weight``'s dtype, for the node that handed ``weight`` out. On
-    CUDA it runs on a side stream the compute stream does not wait for until that node runs."""
-    with comm.beside("weight gradients", gathered_grad) as side:
-        shard, _ = comm.reduce_scatter_dim0(gathered_grad, group)
-        shard = shard.to(weight.dtype)
-    _pending.setdefault(_key(weight), []).append((shard, side))
+    leave this rank's rows, in ``weight``'s dtype, for the node that handed ``weight`` out. It
+    starts with the ``together`` - 1 such gradients of ``group`` before it, as one collective,
+    once it is the ``together``-th; on CUDA on a side stream the compute stream does not wait
+    for until that node runs."""
+    if _queued and (_queued[0][1] is not group or _queued[0][0].dtype != gathered_grad.dtype):
+        _start_queued()
+    _queued.append((gathered_grad, group, weight))
+    if len(_queued) >= together:
+        _start_queued()
+
+
+def _start_queued() -> None:
+    """Start the queued gradients' reduce-scatters (one group's) as one collective."""
+    if not _queued:
+        return
+    grads, groups, weights = zip(*_queued)
+    _queued.clear()
+    one_dtype = weights[0].dtype if len({w.dtype for w in weights}) == 1 else None
+    with comm.beside("weight gradients", *grads) as side:
+        shards = comm.reduce_scatter_dim0_together(list(grads), groups[0], one_dtype)
+        shards = [s if s.dtype == w.dtype else s.to(w.dtype) for s, w in zip(shards, weights)]
+    for shard, weight in zip(shards, weights):
+        _pending.setdefault(_key(weight), []).append((shard, side))

@@ -70,8 +70,9 @@ class MatmulPlan(NamedTuple):
     saves gathered operands; the dtype autocast multiplies in (None: autocast is off); whether
     operand B is a parameter (gathered through the active :class:`WeightPrefetch`, and cast again
     in backward rather than kept as a cast copy); whether dB's reduce-scatter is left for the end
-    of backward (B handed out by a :class:`~lightning_3d.ops.late_grads.WeightGradsAtEnd`);
-    whether gathers and scatters next to a product run as collective matmuls
+    of backward (B handed out by a :class:`~lightning_3d.ops.late_grads.WeightGradsAtEnd`) and
+    how many such reduce-scatters of consecutive products start as one collective
+    (``RuntimeOptions.gathered_together``); whether gathers and scatters next to a product run as collective matmuls
     (``RuntimeOptions.async_tp``)."""
 
     form: str
@@ -81,6 +82,7 @@ class MatmulPlan(NamedTuple):
     cast: torch.dtype | None
     b_is_parameter: bool
     grads_at_end: bool
+    grads_together: int
     async_tp: bool
 
     def fused(self, form: str, k: int) -> bool:
@@ -163,7 +165,7 @@ def _backward(plan: MatmulPlan, grad_c: torch.Tensor, a: torch.Tensor, b: torch.
             operands[2], product = async_tp.all_gather_matmul(form, grad_c.to(a.dtype), operands[y], None, group_c)
             grads[0], done = comm.reduce_scatter_dim0(product, group_a, async_op=True)
         elif k == 1 and plan.grads_at_end:
-            scatter_at_end(_mm(form, operands[x], operands[y]), plan.groups[1], weight)
+            scatter_at_end(_mm(form, operands[x], operands[y]), plan.groups[1], weight, plan.grads_together)
             continue
         else:
             grads[k], done = _product_scatter(plan, form, operands[x], operands[y], None, k, async_op=True)
@@ -221,14 +223,15 @@ class _Matmul3D(torch.autograd.Function):
 def _op_args(plan: MatmulPlan) -> tuple:
     """The plan as a custom op takes it: groups by name."""
     return (plan.form, *(group.group_name for group in plan.groups), list(plan.sizes), plan.save_gathered, plan.cast,
-            plan.b_is_parameter, plan.grads_at_end, plan.async_tp)
+            plan.b_is_parameter, plan.grads_at_end, plan.grads_together, plan.async_tp)
 
 
-def _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, async_tp,
-             resolve: bool = True) -> MatmulPlan:
+def _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, grads_together,
+             async_tp, resolve: bool = True) -> MatmulPlan:
     """The plan of :func:`_op_args`; its groups found from their names if ``resolve``."""
     groups = tuple(comm.group_named(name) for name in (name_a, name_b, name_c)) if resolve else (None,) * 3
-    return MatmulPlan(form, groups, tuple(sizes), save_gathered, cast, b_is_parameter, grads_at_end, async_tp)
+    return MatmulPlan(form, groups, tuple(sizes), save_gathered, cast, b_is_parameter, grads_at_end, grads_together,
+                      async_tp)
 
 
 def _kept_as_given(plan: MatmulPlan, k: int, dtype: torch.dtype) -> bool:
@@ -242,8 +245,9 @@ def _kept_as_given(plan: MatmulPlan, k: int, dtype: torch.dtype) -> bool:
 @torch.library.custom_op("lightning_3d::matmul3d", mutates_args=())
 def _matmul3d_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, form: str, name_a: str, name_b: str,
                  name_c: str, sizes: list[int], save_gathered: bool, cast: torch.dtype | None, b_is_parameter: bool,
-                 grads_at_end: bool, async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, async_tp)
+                 grads_at_end: bool, grads_together: int, async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, grads_together,
+                    async_tp)
     c, kept_a, kept_b = _forward(plan, a, b, bias)
     return (c, c.new_empty(0) if _kept_as_given(plan, 0, a.dtype) else kept_a,
             c.new_empty(0) if _kept_as_given(plan, 1, b.dtype) else kept_b)
@@ -265,8 +269,9 @@ def _matmul3d_backward_op(grad_c: torch.Tensor, kept_a: torch.Tensor, kept_b: to
                           shapes: list[int], dtype_a: torch.dtype, dtype_b: torch.dtype, dtype_bias: torch.dtype,
                           needs: list[bool], form: str, name_a: str, name_b: str, name_c: str, sizes: list[int],
                           save_gathered: bool, cast: torch.dtype | None, b_is_parameter: bool, grads_at_end: bool,
-                          async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, async_tp)
+                          grads_together: int, async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, grads_together,
+                    async_tp)
     grads = _as_dtypes(_backward(plan, grad_c, kept_a, kept_b, tuple(needs), weight), (dtype_a, dtype_b, dtype_bias))
     return tuple(g if g is not None else grad_c.new_empty(0) for g in grads)
 
@@ -320,7 +325,7 @@ def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tens
     landed = landed_weight(b) if sizes[1] > 1 else None
     cast = autocast_dtype(a)
     plan = MatmulPlan(form, groups, sizes, options.save_gathered, cast, _is_parameter(b), landed is not None,
-                      options.async_tp)
+                      options.gathered_together, options.async_tp)
     b = _rows(form, b if landed is None else landed)
     # A in the product's dtype before the product: compiled, the cast joins the kernel that makes A
     # (a norm), and its gradient's cast back joins the one that reads dA, instead of a pass of their own

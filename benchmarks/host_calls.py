@@ -1,0 +1,125 @@
+"""How long the host takes to issue each call a 3-D product makes: µs per call, rank 0.
+
+Launch two processes (``torchrun --nproc_per_node 2 benchmarks/host_calls.py --out DIR``; gloo on
+CPU without a GPU). On grid 2×1×1 at width 256 (the GPU's work is negligible; the host's is not)
+each call runs 300 times after 30 untimed; the host's time per call is measured, the GPU
+synchronised only after. Calls: a product's custom op (``torch.ops.lightning_3d.matmul3d`` and
+its backward, as compiled blocks call them) against the same forward and backward called as Python
+functions, a weight gradient's reduce-scatter left for the end of backward, one and four at a
+time, a block's flat weight gather, the collectives and stream calls they make, and a custom op
+with a trivial body against the Python function alone: what dispatch costs. Results go to
+``DIR/host_calls.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning_3d  # noqa: E402
+from lightning_3d import comm  # noqa: E402
+from lightning_3d.ops import late_grads  # noqa: E402
+from lightning_3d.ops import matmul as products  # noqa: E402
+
+WIDTH, WARMUP, CALLS = 256, 30, 300
+
+
+@torch.library.custom_op("host_calls::trivial", mutates_args=())
+def trivial(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x.new_empty(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    grid = lightning_3d.init_grid((2, 1, 1))
+    gx, gy, gz = grid.group("x"), grid.group("y"), grid.group("z")
+    us: dict[str, float] = {}
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(name: str, call) -> None:
+        for _ in range(WARMUP):
+            call()
+        sync()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            call()
+        us[name] = round((time.perf_counter() - start) / CALLS * 1e6, 1)
+        sync()
+
+    h, bf16 = WIDTH, torch.bfloat16
+    a = torch.randn(4, 128, h, device=device, dtype=bf16)
+    w = torch.nn.Parameter(torch.randn(h // 2 * 3, h, device=device))
+    plan = products.MatmulPlan("abt", (gy, gx, gz), (1, 2, 1), True, bf16, True, False, 1, False)
+    op_args = products._op_args(plan)
+    grad_full = torch.randn(h * 3, h, device=device, dtype=bf16)
+    block = [torch.randn(h * 3, h, device=device, dtype=bf16) for _ in range(4)]
+    weights = [torch.nn.Parameter(torch.randn(h // 2 * 3, h, device=device)) for _ in range(4)]
+
+    def left_for_end(grads, together: int) -> None:
+        for g, weight in zip(grads, weights):
+            late_grads.scatter_at_end(g, gx, weight, together)
+        late_grads._pending.clear()
+
+    def block_gather() -> None:
+        _, handle = comm.all_gather_dim0_together(weights, gx, bf16)
+        handle.wait()
+
+    def beside() -> None:
+        with comm.beside("weight gradients", grad_full):
+            pass
+
+    with torch.no_grad():
+        c, _, kept_b = products._forward(plan, a, w, None)
+        grad_c = torch.randn_like(c)
+        shapes = [a.dim(), *a.shape, *w.shape]
+        timed("product forward, custom op", lambda: torch.ops.lightning_3d.matmul3d(a, w, None, *op_args))
+        timed("product forward, Python", lambda: products._forward(plan, a, w, None))
+        timed("product backward, custom op", lambda: torch.ops.lightning_3d.matmul3d_backward(
+            grad_c, a, kept_b, w, shapes, bf16, torch.float32, bf16, [True, True, False], *op_args))
+        timed("product backward, Python", lambda: products._backward(plan, grad_c, a, kept_b, (True, True, False), w))
+        timed("4 weight gradients left for the end, one by one", lambda: left_for_end(block, 1))
+        timed("4 weight gradients left for the end, as one", lambda: left_for_end(block, 4))
+        timed("a block's 4 weights gathered as one, copied out", block_gather)
+        timed("reduce_scatter_dim0", lambda: comm.reduce_scatter_dim0(grad_full, gx, async_op=True))
+        timed("all_gather_dim0", lambda: comm.all_gather_dim0(w.detach(), gx, async_op=True))
+        timed("comm.beside, empty", beside)
+        timed("F.linear", lambda: F.linear(a, grad_full))
+        timed("custom op, trivial body", lambda: torch.ops.host_calls.trivial(a, 1))
+        timed("its Python function", lambda: trivial._init_fn(a, 1))
+    if rank == 0:
+        for name, t in us.items():
+            print(f"{t:9.1f} us  {name}")
+        meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                "python": sys.version.split()[0], "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "commit": os.environ.get("BENCH_COMMIT", ""), "argv": sys.argv, "calls": CALLS, "width": WIDTH}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_calls.json"), "w") as f:
+            json.dump({"meta": meta, "us_per_call": us}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
