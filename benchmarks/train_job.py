@@ -348,6 +348,16 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
     return Job(step, slice(replica * per, (replica + 1) * per), group, {})
 
 
+def profiled_labels(option: str, text: str, methods: list[Method], world: int) -> set[str]:
+    """The labels of the ';'-separated cases ``text`` names (their words in any order); raises
+    ``SystemExit`` naming a case that is not among ``methods``, before any case runs."""
+    labels = {m.label for m in methods}
+    named = {Method.parse(t.strip(), world).label for t in text.split(";") if t.strip()}
+    if named - labels:
+        raise SystemExit(f"{option} names {sorted(named - labels)}, not among the cases: {sorted(labels)}")
+    return named
+
+
 def resolve_auto(run: Run, method: Method, config: GPTConfig, batch: int, seq: int, machine: Machine) -> Method:
     """``3d auto``: the grid and dp ``Tensor3DStrategy(grid="auto", model_shape=..., machine=...)`` resolves to,
     the whole job priced on the ``machine`` measured at the start."""
@@ -496,8 +506,8 @@ def main() -> None:
     warmup, steps = args.warmup or (2 if cpu else 3), args.steps or (2 if cpu else 6)
     texts = DEFAULT_CASES[run.world] if args.cases == "defaults" else [t.strip() for t in args.cases.split(";") if t.strip()]
     methods = [Method.parse(t, run.world) for t in texts]
-    profiled = {t.strip() for t in args.profile.split(";") if t.strip()}
-    python_profiled = {t.strip() for t in args.host_profile.split(";") if t.strip()}
+    profiled, python_profiled = (profiled_labels(option, text, methods, run.world) for option, text in
+                                 (("--profile", args.profile), ("--host-profile", args.host_profile)))
     if args.links == "p2p-off":
         methods = [m for m in methods if not m.async_tp]
 

@@ -66,6 +66,17 @@ def _check_same_job(data: dict, labels: list[str]) -> None:
     assert len(set(round(v, 3) for v in reference)) > 1  # the optimizer steps change the loss
 
 
+def test_host_calls_micro_benchmark_on_cpu(tmp_path):
+    """Every call of a 3-D product the host-cost benchmark times runs on 2 gloo ranks and is timed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "benchmarks", "host_calls.py"), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(tmp_path / "host_calls.json") as f:
+        timed = json.load(f)["us_per_call"]
+    assert len(timed) == 13 and all(us > 0 for us in timed.values()), timed
+
+
 def test_group_order_micro_benchmark_on_cpu():
     """Both orders of putting heads in order and rotating give the same q, k, v; every case is timed."""
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_group_order.py"), "--cpu", "--iters", "1"]
@@ -79,8 +90,11 @@ def test_train_job_smoke_on_cpu(tmp_path):
     """The whole-job benchmark on 2 ranks: every 3-D grid (auto, async) and each eager peer train the same model alike."""
     labels = ["3d 2x1x1", "3d 2x1x1 ahead2 together1 early", "3d 1x2x1 async", "3d 1x1x2", "3d 1x1x1 dp2", "3d auto", "tp-sp", "tp", "fsdp2", "ddp",
               "3d 1x2x1 ckpt", "fsdp2 ckpt", "3d 1x1x1 dp2 bf16grad", "ddp bf16grad"]
-    data = _train_job(tmp_path, 2, "tiny-gpt2", ";".join(labels), "--profile", "3d 2x1x1")
+    data = _train_job(tmp_path, 2, "tiny-gpt2", ";".join(labels), "--profile", "3d 2x1x1", "--host-profile", "3d 2x1x1")
     _check_same_job(data, labels)
+    python = data["cases"][0]["host_python_rank0"]  # cProfile of rank 0: [name, calls a step, own ms, cumulative ms]
+    assert python and all(calls > 0 and 0 <= own <= cum for _, calls, own, cum in python)
+    assert "host_python_rank0" not in data["cases"][1]
     profile = data["cases"][0]["profile_rank0_2_steps"]  # on CPU no GPU kernels: the plumbing, with zero time
     assert profile["kernels"] == 0 and profile["peer_waits"] == {"waited_ms": [0.0, 0.0], "moving_ms": [0.0, 0.0], "collectives": 0}
     assert [rank["busy_ms"] for rank in profile["by_rank"]] == [0.0, 0.0]
@@ -117,7 +131,8 @@ def test_train_job_appends_one_process_per_case(tmp_path):
 
 
 def test_train_job_cases_parse_and_refuse_bad_input():
-    """Case names parse to methods and back; a case that does not fit the world is refused with its numbers."""
+    """Case names parse to methods and back; a case that does not fit the world is refused with its
+    numbers; a profiled case is found whatever the order of its words, and one that is no case is refused."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import train_job
 
@@ -129,6 +144,10 @@ def test_train_job_cases_parse_and_refuse_bad_input():
                         ("3d 4x1x1 noreshard", "FSDP2's setting")):
         with pytest.raises(ValueError, match=re.escape(words)):
             train_job.Method.parse(text, 4)
+    methods = [train_job.Method.parse(text, 4) for text in ("3d 4x1x1 compile", "fsdp2 compile noreshard bf16grad")]
+    assert train_job.profiled_labels("--profile", "fsdp2 compile bf16grad noreshard;", methods, 4) == {"fsdp2 compile noreshard bf16grad"}
+    with pytest.raises(SystemExit, match=re.escape("--host-profile names ['3d 2x2x1'], not among the cases")):
+        train_job.profiled_labels("--host-profile", "3d 4x1x1 compile;3d 2x2x1", methods, 4)
 
 
 def test_extrapolation_prices_fsdp_as_the_best_px1x1_grid():
