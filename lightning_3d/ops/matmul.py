@@ -72,8 +72,8 @@ class MatmulPlan(NamedTuple):
     in backward rather than kept as a cast copy); whether dB's reduce-scatter is left for the end
     of backward (B handed out by a :class:`~lightning_3d.ops.late_grads.WeightGradsAtEnd`) and
     how many such reduce-scatters of consecutive products start as one collective
-    (``RuntimeOptions.gathered_together``); whether gathers and scatters next to a product run as collective matmuls
-    (``RuntimeOptions.async_tp``)."""
+    (``RuntimeOptions.gathered_together``); whether gathers and scatters next to a product run
+    as collective matmuls (``RuntimeOptions.async_tp``)."""
 
     form: str
     groups: tuple
