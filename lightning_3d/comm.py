@@ -144,8 +144,7 @@ def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: boo
     g = dist.get_world_size(group)
     if g == 1:
         return t, DONE
-    if t.shape[0] % g:
-        raise ValueError(f"cannot reduce-scatter dim 0 of size {t.shape[0]} over {g} ranks: {t.shape[0]} % {g} != 0")
+    _check_divides(t, g)
     t = t.contiguous()
     out = t.new_empty((t.shape[0] // g,) + t.shape[1:])
     work = _reduce_scatter(out, t, group=group, async_op=async_op)
@@ -163,19 +162,21 @@ def reduce_scatter_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGrou
     reduce-scattered one by one."""
     g = dist.get_world_size(group)
     if g == 1 or len(ts) == 1 or len({t.dtype for t in ts}) > 1:
-        return [_as_dtype(reduce_scatter_dim0(t, group)[0], dtype) for t in ts]
+        outs = [reduce_scatter_dim0(t, group)[0] for t in ts]
+        return outs if dtype is None else [out.to(dtype) for out in outs]
     for t in ts:
-        if t.shape[0] % g:
-            raise ValueError(f"cannot reduce-scatter dim 0 of size {t.shape[0]} over {g} ranks: {t.shape[0]} % {g} != 0")
+        _check_divides(t, g)
     flat = torch.cat([t.reshape(g, -1) for t in ts], dim=1)
     row = flat.new_empty(flat.shape[1])
     _reduce_scatter(row, flat.view(-1), group=group)
-    row = _as_dtype(row, dtype)
+    row = row if dtype is None else row.to(dtype)
     return [part.view((t.shape[0] // g,) + t.shape[1:]) for part, t in zip(row.split([t.numel() // g for t in ts]), ts)]
 
 
-def _as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+def _check_divides(t: torch.Tensor, g: int) -> None:
+    """Raise ``ValueError`` unless ``t``'s dim 0 splits over ``g`` ranks."""
+    if t.shape[0] % g:
+        raise ValueError(f"cannot reduce-scatter dim 0 of size {t.shape[0]} over {g} ranks: {t.shape[0]} % {g} != 0")
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):

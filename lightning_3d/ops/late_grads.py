@@ -121,9 +121,9 @@ def _start_queued() -> None:
         return
     grads, groups, weights = zip(*_queued)
     _queued.clear()
-    one_dtype = weights[0].dtype if len({w.dtype for w in weights}) == 1 else None
+    one_dtype = weights[0].dtype if len({w.dtype for w in weights}) == 1 else None  # then cast once, as one row
     with comm.beside("weight gradients", *grads) as side:
         shards = comm.reduce_scatter_dim0_together(list(grads), groups[0], one_dtype)
-        shards = [s if s.dtype == w.dtype else s.to(w.dtype) for s, w in zip(shards, weights)]
+        shards = [shard.to(weight.dtype) for shard, weight in zip(shards, weights)]
     for shard, weight in zip(shards, weights):
         _pending.setdefault(_key(weight), []).append((shard, side))
