@@ -66,15 +66,17 @@ def _check_same_job(data: dict, labels: list[str]) -> None:
     assert len(set(round(v, 3) for v in reference)) > 1  # the optimizer steps change the loss
 
 
-def test_host_calls_micro_benchmark_on_cpu(tmp_path):
-    """Every call of a 3-D product the host-cost benchmark times runs on 2 gloo ranks and is timed."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "benchmarks", "host_calls.py"), "--out", str(tmp_path)]
+@pytest.mark.parametrize("processes,rows", [(2, 13), (1, 7)])
+def test_host_calls_micro_benchmark_on_cpu(tmp_path, processes, rows):
+    """Every call of a 3-D product the host-cost benchmark times runs on 2 gloo ranks and is timed;
+    on one process, the products and the trivial op only."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+           os.path.join(ROOT, "benchmarks", "host_calls.py"), "--width", "16", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(tmp_path / "host_calls.json") as f:
         timed = json.load(f)["us_per_call"]
-    assert len(timed) == 13 and all(us > 0 for us in timed.values()), timed
+    assert len(timed) == rows and all(us > 0 for us in timed.values()), timed
 
 
 def test_group_order_micro_benchmark_on_cpu():

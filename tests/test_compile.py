@@ -123,3 +123,23 @@ def test_compiled_gpt3d_under_autocast_matches_eager():
 def test_compiled_blocks_with_checkpointing_and_dropout():
     assert_close(harness.run(4, on_grids, [(1, 2, 1), (1, 1, 1)], compiled_checkpointing_job), tol=1e-9)
     assert_close(harness.run(4, on_grids, [(2, 1, 1)], compiled_checkpointing_job, True), tol=1e-9)
+
+
+def test_plan_key_round_trips_every_field():
+    """What a compiled product's custom op is told (one string) is the plan it was made from."""
+    from itertools import product
+
+    from lightning_3d.ops.matmul import MatmulPlan, _plan_key, _plan_of
+
+    class Named:
+        def __init__(self, name: str):
+            self.group_name = name
+
+    groups = (Named("3"), Named("17"), Named("1a2b"))
+    for form, cast, flags in product(("ab", "abt", "atb"), (None, torch.bfloat16, torch.float16, torch.float32),
+                                     product((False, True), repeat=4)):
+        save_gathered, b_is_parameter, grads_at_end, async_tp = flags
+        plan = MatmulPlan(form, groups, (2, 4, 1), save_gathered, cast, b_is_parameter, grads_at_end, 3, async_tp)
+        key = _plan_key(plan)
+        assert _plan_of(key, resolve=False) == plan._replace(groups=(None,) * 3), key
+        assert key.split(";")[1:4] == ["3", "17", "1a2b"], key

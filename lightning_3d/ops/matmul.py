@@ -29,6 +29,7 @@ forward and backward run as the custom ops ``lightning_3d::matmul3d`` and
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -218,20 +219,46 @@ class _Matmul3D(torch.autograd.Function):
 # Under torch.compile the same product runs as two custom ops (forward, backward), which the
 # compiler keeps whole while it fuses the work around them. Ops take groups by name, return no
 # None and alias no input: what the forward keeps of A or B unchanged is an empty tensor there,
-# and the autograd context keeps the input instead.
+# and the autograd context keeps the input instead. The host calls them twice per product and
+# step, so they are made cheap to call: defined on a Library (torch.library.custom_op adds checks
+# and wrappers to every call), with the plan as one string (the dispatcher converts every argument
+# at every hop). The backward op has no derivative of its own: there is no double backward.
 
-def _op_args(plan: MatmulPlan) -> tuple:
-    """The plan as a custom op takes it: groups by name."""
-    return (plan.form, *(group.group_name for group in plan.groups), list(plan.sizes), plan.save_gathered, plan.cast,
-            plan.b_is_parameter, plan.grads_at_end, plan.grads_together, plan.async_tp)
+_LIBRARY = torch.library.Library("lightning_3d", "FRAGMENT")
+_LIBRARY.define("matmul3d(Tensor a, Tensor b, Tensor? bias, str plan) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define("matmul3d_backward(Tensor grad_c, Tensor kept_a, Tensor kept_b, Tensor weight, SymInt[] shapes, "
+                "ScalarType dtype_a, ScalarType dtype_b, ScalarType dtype_bias, bool[] needs, str plan) "
+                "-> (Tensor, Tensor, Tensor)")
 
 
-def _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, grads_together,
-             async_tp, resolve: bool = True) -> MatmulPlan:
-    """The plan of :func:`_op_args`; its groups found from their names if ``resolve``."""
-    groups = tuple(comm.group_named(name) for name in (name_a, name_b, name_c)) if resolve else (None,) * 3
-    return MatmulPlan(form, groups, tuple(sizes), save_gathered, cast, b_is_parameter, grads_at_end, grads_together,
-                      async_tp)
+_DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _plan_key(plan: MatmulPlan) -> str:
+    """The plan as the custom ops take it: its fields joined by ``;``, groups by name, flags as 0/1,
+    the dtype by its name (plain string work, which Dynamo folds while it traces)."""
+    form, groups, sizes, save_gathered, cast, b_is_parameter, grads_at_end, together, async_tp = plan
+    names = ";".join(group.group_name for group in groups)
+    flags = f"{int(save_gathered)};{int(b_is_parameter)};{int(grads_at_end)};{together};{int(async_tp)}"
+    dtype = "" if cast is None else _DTYPE_NAMES[cast]
+    return f"{form};{names};{sizes[0]},{sizes[1]},{sizes[2]};{dtype};{flags}"
+
+
+@functools.lru_cache(maxsize=256)
+def _fields(key: str) -> tuple:
+    """``(form, group names, sizes, save_gathered, cast, b_is_parameter, grads_at_end, together, async_tp)``."""
+    form, *names, sizes, cast, save_gathered, b_is_parameter, grads_at_end, together, async_tp = key.split(";")
+    return (form, tuple(names), tuple(int(n) for n in sizes.split(",")), save_gathered == "1",
+            getattr(torch, cast) if cast else None, b_is_parameter == "1", grads_at_end == "1", int(together),
+            async_tp == "1")
+
+
+def _plan_of(key: str, resolve: bool = True) -> MatmulPlan:
+    """The plan of :func:`_plan_key`; its groups found from their names if ``resolve`` (each call:
+    a name may be given to a new group once its group is destroyed)."""
+    form, names, sizes, save_gathered, cast, *flags = _fields(key)
+    groups = tuple(comm.group_named(name) for name in names) if resolve else (None,) * 3
+    return MatmulPlan(form, groups, sizes, save_gathered, cast, *flags)
 
 
 def _kept_as_given(plan: MatmulPlan, k: int, dtype: torch.dtype) -> bool:
@@ -242,20 +269,15 @@ def _kept_as_given(plan: MatmulPlan, k: int, dtype: torch.dtype) -> bool:
     return unchanged and (not plan.save_gathered or plan.sizes[k] == 1)
 
 
-@torch.library.custom_op("lightning_3d::matmul3d", mutates_args=())
-def _matmul3d_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, form: str, name_a: str, name_b: str,
-                 name_c: str, sizes: list[int], save_gathered: bool, cast: torch.dtype | None, b_is_parameter: bool,
-                 grads_at_end: bool, grads_together: int, async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, grads_together,
-                    async_tp)
+def _matmul3d_kernel(a, b, bias, key):
+    plan = _plan_of(key)
     c, kept_a, kept_b = _forward(plan, a, b, bias)
     return (c, c.new_empty(0) if _kept_as_given(plan, 0, a.dtype) else kept_a,
             c.new_empty(0) if _kept_as_given(plan, 1, b.dtype) else kept_b)
 
 
-@_matmul3d_op.register_fake
-def _(a, b, bias, *plan_args):
-    plan = _op_plan(*plan_args, resolve=False)
+def _matmul3d_fake(a, b, bias, key):
+    plan = _plan_of(key, resolve=False)
     local = [t.new_empty(t.shape, dtype=plan.cast or t.dtype) for t in (a, b)]
     full = [t.new_empty([t.shape[0] * size, *t.shape[1:]]) for t, size in zip(local, plan.sizes)]
     c_full = _mm(plan.form, *full)
@@ -264,22 +286,14 @@ def _(a, b, bias, *plan_args):
     return (c, *(c.new_empty(0) if _kept_as_given(plan, k, t.dtype) else kept[k] for k, t in enumerate((a, b))))
 
 
-@torch.library.custom_op("lightning_3d::matmul3d_backward", mutates_args=())
-def _matmul3d_backward_op(grad_c: torch.Tensor, kept_a: torch.Tensor, kept_b: torch.Tensor, weight: torch.Tensor,
-                          shapes: list[int], dtype_a: torch.dtype, dtype_b: torch.dtype, dtype_bias: torch.dtype,
-                          needs: list[bool], form: str, name_a: str, name_b: str, name_c: str, sizes: list[int],
-                          save_gathered: bool, cast: torch.dtype | None, b_is_parameter: bool, grads_at_end: bool,
-                          grads_together: int, async_tp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _op_plan(form, name_a, name_b, name_c, sizes, save_gathered, cast, b_is_parameter, grads_at_end, grads_together,
-                    async_tp)
-    grads = _as_dtypes(_backward(plan, grad_c, kept_a, kept_b, tuple(needs), weight), (dtype_a, dtype_b, dtype_bias))
+def _matmul3d_backward_kernel(grad_c, kept_a, kept_b, weight, shapes, dtype_a, dtype_b, dtype_bias, needs, key):
+    grads = _as_dtypes(_backward(_plan_of(key), grad_c, kept_a, kept_b, tuple(needs), weight), (dtype_a, dtype_b, dtype_bias))
     return tuple(g if g is not None else grad_c.new_empty(0) for g in grads)
 
 
-@_matmul3d_backward_op.register_fake
-def _(grad_c, kept_a, kept_b, weight, shapes, dtype_a, dtype_b, dtype_bias, needs, *plan_args):
+def _matmul3d_backward_fake(grad_c, kept_a, kept_b, weight, shapes, dtype_a, dtype_b, dtype_bias, needs, key):
     a_shape, b_shape = _split_shapes(shapes)
-    needs = [needs[0], needs[1] and not _op_plan(*plan_args, resolve=False).grads_at_end, needs[2]]
+    needs = [needs[0], needs[1] and not _plan_of(key, resolve=False).grads_at_end, needs[2]]
     return tuple(grad_c.new_empty(shape if need else [0], dtype=dtype)
                  for shape, dtype, need in zip((a_shape, b_shape, [grad_c.shape[-1]]), (dtype_a, dtype_b, dtype_bias), needs))
 
@@ -291,8 +305,8 @@ def _split_shapes(shapes: list) -> tuple[list, list]:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    a, b, bias, *plan_args = inputs
-    plan = _op_plan(*plan_args, resolve=False)
+    a, b, bias, key = inputs
+    plan = _plan_of(key, resolve=False)
     kept = [given if _kept_as_given(plan, k, given.dtype) else made for k, (given, made) in enumerate(zip((a, b), output[1:]))]
     # the weight itself (no memory: a parameter's view) for a gradient left for the end; saved for
     # every parameter, so that a checkpointed block, recomputed outside the forward's hand-out,
@@ -301,19 +315,24 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.grads_at_end = plan.grads_at_end
     ctx.shapes = [a.dim(), *a.shape, *b.shape]
     ctx.dtypes = (a.dtype, b.dtype, a.dtype if bias is None else bias.dtype)  # the bias's is unused without one
-    ctx.plan_args = plan_args
+    ctx.key = key
 
 
 def _op_backward(ctx, grad_c, _grad_kept_a, _grad_kept_b):
     needs = list(ctx.needs_input_grad[:3])
     kept_a, kept_b, weight = ctx.saved_tensors
-    grads = _matmul3d_backward_op(grad_c, kept_a, kept_b, grad_c.new_empty(0) if weight is None else weight, ctx.shapes,
-                                  *ctx.dtypes, needs, *ctx.plan_args)
+    grads = torch.ops.lightning_3d.matmul3d_backward(grad_c, kept_a, kept_b, grad_c.new_empty(0) if weight is None else weight,
+                                                     ctx.shapes, *ctx.dtypes, needs, ctx.key)
     given = [needs[0], needs[1] and not ctx.grads_at_end, needs[2]]  # a gradient left for the end is given there
-    return tuple(g if give else None for g, give in zip(grads, given)) + (None,) * len(ctx.plan_args)
+    return (*(g if give else None for g, give in zip(grads, given)), None)
 
 
-_matmul3d_op.register_autograd(_op_backward, setup_context=_setup_context)
+# the kernels run eagerly even inside compiled code: Dynamo must not trace into them
+_LIBRARY.impl("matmul3d", torch.compiler.disable(_matmul3d_kernel), "CompositeExplicitAutograd")
+_LIBRARY.impl("matmul3d_backward", torch.compiler.disable(_matmul3d_backward_kernel), "CompositeExplicitAutograd")
+torch.library.register_fake("lightning_3d::matmul3d", _matmul3d_fake, lib=_LIBRARY)
+torch.library.register_fake("lightning_3d::matmul3d_backward", _matmul3d_backward_fake, lib=_LIBRARY)
+torch.library.register_autograd("lightning_3d::matmul3d", _op_backward, setup_context=_setup_context, lib=_LIBRARY)
 
 
 def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tensor:
@@ -331,7 +350,7 @@ def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tens
     # (a norm), and its gradient's cast back joins the one that reads dA, instead of a pass of their own
     a = _cast(a, cast)
     if torch.compiler.is_compiling():
-        return _matmul3d_op(a, b, bias, *_op_args(plan))[0]
+        return torch.ops.lightning_3d.matmul3d(a, b, bias, _plan_key(plan))[0]
     return _Matmul3D.apply(a, b, bias, plan)
 
 
