@@ -2,12 +2,12 @@
 
 Launch two processes (``torchrun --nproc_per_node 2 benchmarks/host_calls.py --out DIR``; gloo on
 CPU without a GPU). On grid 2×1×1 at width 256 (``--width``: the GPU's work is negligible, the
-host's is not) each call runs 300 times after 30 untimed; the host's time per call is measured, the GPU
-synchronised only after. Calls: a product's custom op (``torch.ops.lightning_3d.matmul3d`` and
+host's is not) each call runs 300 times after 30 untimed; the host's time per call is measured, the
+GPU synchronised only after. Calls: a product's custom op (``torch.ops.lightning_3d.matmul3d`` and
 its backward, as compiled blocks call them) against the same forward and backward called as Python
-functions, a weight gradient's reduce-scatter left for the end of backward, one and four at a
-time, a block's flat weight gather, the collectives and stream calls they make, and a custom op
-with a trivial body against the Python function alone: what dispatch costs. Results go to
+functions, a weight gradient's reduce-scatter left for the end of backward, one and four at a time,
+a block's flat weight gather, the collectives and stream calls they make, and a custom op with a
+trivial body against the Python function alone: what dispatch costs. Results go to
 ``DIR/host_calls.json``.
 
 One process (``--nproc_per_node 1``) times only the products and the trivial op, on grid 1×1×1:
