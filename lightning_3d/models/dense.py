@@ -17,11 +17,10 @@ modules a plan can replace.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
+from ..ops.packed_elementwise import packed_rope, packed_swiglu
 from .attention import apply_rope, causal_attention, rope_tables
 from .config import GPTConfig
 from .init import init_dense_tensor_
@@ -82,29 +81,38 @@ class DenseAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         r, d = self.queries_per_kv, self.head_dim
-        parts = output_groups(self.c_attn, x, (r, 1, 1))  # [b, s, P, run, kv_heads·d/P]: r query slots; k; v
+        if rope is None:
+            parts = output_groups(self.c_attn, x, (r, 1, 1))  # [b, s, P, run, kv_heads·d/P]: r query slots; k; v
+        else:  # one product, whose gradient RoPE's backward writes in one pass
+            (qkv,) = output_groups(self.c_attn, x, (r + 2,))  # [b, s, P, r + 2, kv_heads·d/P]
+            if qkv.shape[-1] % d == 0:
+                return self._attend(*packed_rope(qkv.unflatten(-1, (-1, d)), rope, r))
+            parts = qkv.split([r, 1, 1], -2)
         if parts[0].shape[-1] % d:  # a block cuts a head (P does not divide the key/value heads): join the blocks
             parts = [t.movedim(-3, -2).flatten(-2).unsqueeze(-3) for t in parts]
         q, k, v = (t.unflatten(-1, (-1, d)) for t in parts)  # [b, s, P, run, kv_heads/P, d]
-        if rope is not None:  # each head on its own, before the heads are put in order: one pass over q and k
+        if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         # key/value head t = (block, t'); query head (t, g) of slot g → order t·r + g, the order causal_attention pairs
-        q = q.transpose(-3, -2)
-        return self.resid_dropout(self.c_proj(causal_attention(*(t.flatten(2, -2) for t in (q, k, v)))))
+        return self._attend(*(t.flatten(2, -2) for t in (q.transpose(-3, -2), k, v)))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.resid_dropout(self.c_proj(causal_attention(q, k, v)))
 
 
 class DenseMLP(nn.Module):
     def __init__(self, config: GPTConfig, **factory):
         super().__init__()
         self.groups = 2 if config.style == "llama" else 1  # llama: gate and up
-        self.activation = functools.partial(mlp_activation, config.style)
+        self.style = config.style
         self.c_fc = nn.Linear(config.n_embd, self.groups * config.ffn_hidden, bias=config.bias, **factory)
         self.c_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias, **factory)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         (gate_up,) = output_groups(self.c_fc, x, (self.groups,))  # [..., P, groups, ffn/P]
-        return self.dropout(self.c_proj(self.activation(*gate_up.unbind(-2)).flatten(-2)))
+        hidden = packed_swiglu(gate_up) if self.style == "llama" else mlp_activation(self.style, gate_up.squeeze(-2))
+        return self.dropout(self.c_proj(hidden.flatten(-2)))
 
 
 class DenseBlock(nn.Module):
