@@ -5,7 +5,8 @@ Each three ways: on views of the packed output with autograd assembling the pack
 concatenation, which Inductor lowers as a pointwise one: each element computes and loads what
 either group needs), as :mod:`lightning_3d.ops.packed_elementwise` runs it (a backward kernel that
 writes the packed gradient in one pass), and on separate tensors, as a dense model with one product
-per group runs it (no packed gradient: the reference). One GPU: ``python
+per group runs it (no packed gradient: the reference); the GPU's time, and the wall time, which
+at these sizes the host's launches set. One GPU: ``python
 benchmarks/packed_elementwise.py --out DIR``; defaults are a Llama-7B block's local shapes on
 2×1×1 (4 sequences of 2048 tokens, 32 heads of 128 over 8 key/value heads, ffn 11008).
 """
@@ -19,6 +20,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,15 +40,17 @@ def rope_on_views(qkv: torch.Tensor, rope, r: int) -> tuple[torch.Tensor, ...]:
     return tuple(t.flatten(2, -2) for t in (q.transpose(-3, -2), k, v))
 
 
-def time_ms(fn, inputs: tuple, repeats: int) -> float:
-    """Mean ms of ``fn(*inputs)`` forward + backward (fixed random output gradients), after warm-up."""
+def time_us(fn, inputs: tuple, repeats: int) -> tuple[float, float]:
+    """µs per forward + backward of ``fn(*inputs)`` (fixed random output gradients, the input
+    gradients returned, not accumulated), after warm-up: the wall time, which at these sizes the
+    host's launches set, and the GPU time, the sum of the kernels' times (``torch.profiler``)."""
     outs = fn(*inputs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     grads = tuple(torch.randn_like(o) for o in outs)
 
     def once():
         out = fn(*inputs)
-        torch.autograd.backward(out if isinstance(out, tuple) else (out,), grads)
+        torch.autograd.grad(out if isinstance(out, tuple) else (out,), inputs, grads)
 
     for _ in range(3):
         once()
@@ -57,7 +61,12 @@ def time_ms(fn, inputs: tuple, repeats: int) -> float:
         once()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            once()
+        torch.cuda.synchronize()
+    gpu_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
+    return start.elapsed_time(end) * 1000 / repeats, gpu_us / repeats
 
 
 def main() -> None:
@@ -93,12 +102,13 @@ def main() -> None:
     results = {}
     for name, (fn, inputs) in cases.items():
         torch.compiler.reset()
-        results[name] = time_ms(torch.compile(fn), inputs, args.repeats)
-        print(f"{name:32s} {results[name] * 1000:8.1f} µs forward + backward", flush=True)
+        wall, gpu = time_us(torch.compile(fn), inputs, args.repeats)
+        results[name] = {"wall_us": wall, "gpu_us": gpu}
+        print(f"{name:32s} forward + backward: {gpu:7.1f} µs of GPU kernels, {wall:7.1f} µs wall", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("BENCH_COMMIT", ""),
-                  "argv": sys.argv, "args": vars(args), "ms": results}
+                  "argv": sys.argv, "args": vars(args), "us": results}
         with open(os.path.join(args.out, "packed_elementwise.json"), "w") as f:
             json.dump(record, f, indent=1)
 
