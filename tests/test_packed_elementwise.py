@@ -81,7 +81,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available() or packed_elementwise.pa
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_kernels_equal_the_pytorch_backward(dtype, compiled):
+@pytest.mark.parametrize("blocks", [(2, 4, 2, 128), (1, 1, 3, 96)])  # (P, r, T, head_dim): 96 pads to 128 lanes
+def test_kernels_equal_the_pytorch_backward(dtype, compiled, blocks):
     """The Triton backward (on CUDA) against the same Function's PyTorch backward (on CPU, float64)."""
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     swiglu, rope_fn = packed_swiglu, packed_rope
@@ -94,7 +95,8 @@ def test_kernels_equal_the_pytorch_backward(dtype, compiled):
     _, dx = outputs_and_grad(swiglu, gate_up.to("cuda", dtype), (grad.to("cuda", dtype),))
     _, ref = outputs_and_grad(packed_swiglu, gate_up.to(dtype).double(), (grad.to(dtype).double(),))
     torch.testing.assert_close(dx.double().cpu(), ref, **tol)
-    qkv, rope, r, grads = rope_case(b=2, s=33, p=2, r=4, t=2, d=128)
+    p, r, t, d = blocks
+    qkv, rope, r, grads = rope_case(b=2, s=33, p=p, r=r, t=t, d=d)
     on_gpu = [x.to("cuda", dtype) for x in (qkv, *grads)]
     gpu_rope = tuple(t.float().cuda() for t in rope)
     out, dx = outputs_and_grad(lambda x: rope_fn(x, gpu_rope, r), on_gpu[0], tuple(on_gpu[1:]))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..ops.packed_elementwise import rotate
+
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each ``[seq_len, head_dim]``, for the rotate-half RoPE convention (Llama / HF)."""
@@ -22,9 +24,7 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None, dtype=to
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate ``x`` ``[b, s, ..., head_dim]`` by position (dim 1), each head on its own."""
     cos, sin = (t[: x.shape[1]].view(x.shape[1], *[1] * (x.dim() - 3), -1).to(x.dtype) for t in rope)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
+    return rotate(x, cos, sin)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

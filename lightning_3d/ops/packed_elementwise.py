@@ -91,7 +91,9 @@ class _PackedRoPE(torch.autograd.Function):
 
 def packed_rope(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], queries_per_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE of the q and k in ``qkv [b, s, P, r + 2, T, d]`` → ``q [b, s, P·T·r, d]``, ``k, v [b, s, P·T, d]``
-    (contiguous), with ``rope = (cos, sin)``, each ``[≥ s, d]``; the gradient one tensor of ``qkv``'s shape."""
+    (contiguous), with ``rope = (cos, sin)``, each ``[≥ s, d]`` with equal halves (the rotate-half
+    convention, as :func:`~lightning_3d.models.attention.rope_tables` makes them); the gradient one
+    tensor of ``qkv``'s shape."""
     if qkv.dim() != 6 or qkv.shape[3] != queries_per_kv + 2:
         raise ValueError(f"packed_rope takes [b, s, P, {queries_per_kv} + 2, T, d]; got shape {tuple(qkv.shape)}")
     return _PackedRoPE.apply(qkv, *rope, queries_per_kv)
