@@ -4,25 +4,19 @@ of the plain formulas on views (float64, CPU), and the CUDA kernels against the 
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
-import torch.nn.functional as F
 
-from lightning_3d.models.attention import apply_rope, rope_tables
+from lightning_3d.models.attention import rope_tables
 from lightning_3d.ops import packed_elementwise
 from lightning_3d.ops.packed_elementwise import packed_rope, packed_swiglu
 
-
-def plain_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.unbind(-2)
-    return F.silu(gate) * up
-
-
-def plain_rope(qkv: torch.Tensor, rope, r: int) -> tuple[torch.Tensor, ...]:
-    """RoPE on views of ``qkv [b, s, P, r + 2, T, d]``, heads in attention's order, as DenseAttention did."""
-    q, k, v = qkv.split([r, 1, 1], 3)
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
-    return tuple(t.flatten(2, -2) for t in (q.transpose(-3, -2), k, v))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from packed_elementwise import rope_on_views as plain_rope  # noqa: E402  (autograd of the plain formulas on views)
+from packed_elementwise import swiglu_on_views as plain_swiglu  # noqa: E402
 
 
 def outputs_and_grad(fn, x: torch.Tensor, grads: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
