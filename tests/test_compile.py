@@ -104,6 +104,33 @@ def compiled_checkpointing_job(grid, grads_at_end=False):
     return _compiled(_compiled_against_eager(model, run), breaks_allowed=True)
 
 
+def op_calls_job(grid) -> dict:
+    """On a grid cut over x only every compiled product is the compiler's GEMMs around two ops, the
+    weight's gather (``lightning_3d::gathered_weight``) and its gradient (``lightning_3d::weight_grad``,
+    which reduce-scatters it); elsewhere the product's own two ops. Counted in a profile of one
+    step of the compiled model."""
+    _fresh_compiler()
+    _, model = pair(grid, config("llama"), 1, options=RuntimeOptions(compile=True))
+    idx, targets = batch(grid, 2)
+    model(idx, targets).backward()
+    with torch.profiler.profile() as prof:
+        model(idx, targets).backward()
+    calls = {}
+    for event in prof.events():
+        calls[event.name] = calls.get(event.name, 0) + 1
+    products = 4 * model.config.n_layer
+    x_only = grid.size("y") == grid.size("z") == 1
+    gathered, own = (products, 0) if x_only else (0, products)
+    return {"gathered_weight_calls": float(calls.get("lightning_3d::gathered_weight", 0) != gathered),
+            "weight_grad_calls": float(calls.get("lightning_3d::weight_grad", 0) != gathered),
+            "matmul3d_calls": float(calls.get("lightning_3d::matmul3d", 0) != own),
+            "matmul3d_backward_calls": float(calls.get("lightning_3d::matmul3d_backward", 0) != own)}
+
+
+def test_compiled_products_on_an_x_grid_are_the_compilers():
+    assert_close(harness.run(4, on_grids, [(2, 1, 1), (1, 2, 1)], op_calls_job), tol=0.5)
+
+
 def test_compiled_gpt3d_equals_dense_on_grids():
     assert_close(harness.run(4, on_grids, [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)], compiled_job), tol=1e-9)
 

@@ -226,6 +226,8 @@ class _Matmul3D(torch.autograd.Function):
 
 _LIBRARY = torch.library.Library("lightning_3d", "FRAGMENT")
 _LIBRARY.define("matmul3d(Tensor a, Tensor b, Tensor? bias, str plan) -> (Tensor, Tensor, Tensor)")
+_LIBRARY.define("gathered_weight(Tensor b, str plan) -> Tensor")
+_LIBRARY.define("weight_grad(Tensor grad_c, Tensor a, Tensor weight, str plan) -> Tensor")
 _LIBRARY.define("matmul3d_backward(Tensor grad_c, Tensor kept_a, Tensor kept_b, Tensor weight, SymInt[] shapes, "
                 "ScalarType dtype_a, ScalarType dtype_b, ScalarType dtype_bias, bool[] needs, str plan) "
                 "-> (Tensor, Tensor, Tensor)")
@@ -327,12 +329,78 @@ def _op_backward(ctx, grad_c, _grad_kept_a, _grad_kept_b):
     return (*(g if give else None for g, give in zip(grads, given)), None)
 
 
+# A product that gathers B alone (A's and C's groups of one, as every product of a grid cut over
+# x only) runs, compiled, as FSDP2's compiled blocks do: B gathered by one op, C and dA the
+# compiler's GEMMs, dB made and reduce-scattered by one op (made there, so that no buffer of the
+# compiler's is kept past the call). The host calls one lighter op a product and pass. Left for
+# the end of backward, dB is read by nothing after the op: the op is registered as having a side
+# effect, so that the compiler keeps it.
+
+
+def _gathers_b_only(plan: MatmulPlan) -> bool:
+    """Whether the compiled product is :class:`_GatheredProduct`: form ``abt``, only B's group larger
+    than one, B a parameter kept gathered, no collective matmuls."""
+    return (plan.form == "abt" and plan.sizes[0] == plan.sizes[2] == 1 < plan.sizes[1] and plan.b_is_parameter
+            and plan.save_gathered and not plan.async_tp)
+
+
+class _GatheredProduct(torch.autograd.Function):
+    """``C = A @ B_fullᵀ + bias`` with ``B_full`` B gathered over its group (``A``, ``C`` whole):
+    traced, the two GEMMs and the bias's gradient are the compiler's, the gather and dB the ops'."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, key: str) -> torch.Tensor:
+        b_full = torch.ops.lightning_3d.gathered_weight(b, key)
+        ctx.save_for_backward(a, b_full, b)  # b: the weight itself, a parameter's view (no memory)
+        ctx.key, ctx.grads_at_end, ctx.has_bias = key, _plan_of(key, resolve=False).grads_at_end, bias is not None
+        return F.linear(a, b_full, bias)
+
+    @staticmethod
+    def backward(ctx, grad_c: torch.Tensor):
+        a, b_full, weight = ctx.saved_tensors
+        grad_b = torch.ops.lightning_3d.weight_grad(grad_c, a, weight, ctx.key) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_c.sum(tuple(range(grad_c.dim() - 1))) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_c @ b_full, None if ctx.grads_at_end else grad_b, grad_bias, None
+
+
+def _gathered_weight_kernel(b, key):
+    plan = _plan_of(key)
+    prefetch = active_prefetch()
+    b_full, wait = _gather_b(plan, b, None if prefetch is None else prefetch.gather)
+    wait.wait()
+    return b_full
+
+
+def _gathered_weight_fake(b, key):
+    plan = _plan_of(key, resolve=False)
+    return b.new_empty([b.shape[0] * plan.sizes[1], *b.shape[1:]], dtype=plan.cast or b.dtype)
+
+
+def _weight_grad_kernel(grad_c, a, weight, key):
+    """``dB = dCᵀ A`` reduce-scattered over B's group, in B's dtype; left for the end of backward
+    (an empty tensor here) when the plan says so."""
+    plan = _plan_of(key)
+    grad_full = _mm("atb", grad_c, a)  # dB of form "abt" (_BACKWARD)
+    if plan.grads_at_end:
+        scatter_at_end(grad_full, plan.groups[1], weight, plan.grads_together)
+        return grad_c.new_empty(0)
+    return comm.reduce_scatter_dim0(grad_full, plan.groups[1])[0].to(weight.dtype)
+
+
+def _weight_grad_fake(grad_c, a, weight, key):
+    return grad_c.new_empty(0) if _plan_of(key, resolve=False).grads_at_end else weight.new_empty(weight.shape)
+
+
 # the kernels run eagerly even inside compiled code: Dynamo must not trace into them
-_LIBRARY.impl("matmul3d", torch.compiler.disable(_matmul3d_kernel), "CompositeExplicitAutograd")
-_LIBRARY.impl("matmul3d_backward", torch.compiler.disable(_matmul3d_backward_kernel), "CompositeExplicitAutograd")
-torch.library.register_fake("lightning_3d::matmul3d", _matmul3d_fake, lib=_LIBRARY)
-torch.library.register_fake("lightning_3d::matmul3d_backward", _matmul3d_backward_fake, lib=_LIBRARY)
+for name, kernel, fake in (("matmul3d", _matmul3d_kernel, _matmul3d_fake),
+                           ("matmul3d_backward", _matmul3d_backward_kernel, _matmul3d_backward_fake),
+                           ("gathered_weight", _gathered_weight_kernel, _gathered_weight_fake),
+                           ("weight_grad", _weight_grad_kernel, _weight_grad_fake)):
+    _LIBRARY.impl(name, torch.compiler.disable(kernel), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"lightning_3d::{name}", fake, lib=_LIBRARY)
+del name, kernel, fake
 torch.library.register_autograd("lightning_3d::matmul3d", _op_backward, setup_context=_setup_context, lib=_LIBRARY)
+torch.fx.node.has_side_effect(torch.ops.lightning_3d.weight_grad.default)
 
 
 def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tensor:
@@ -350,6 +418,8 @@ def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tens
     # (a norm), and its gradient's cast back joins the one that reads dA, instead of a pass of their own
     a = _cast(a, cast)
     if torch.compiler.is_compiling():
+        if _gathers_b_only(plan):
+            return _GatheredProduct.apply(a, b, bias, _plan_key(plan))
         return torch.ops.lightning_3d.matmul3d(a, b, bias, _plan_key(plan))[0]
     return _Matmul3D.apply(a, b, bias, plan)
 
