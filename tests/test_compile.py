@@ -105,10 +105,10 @@ def compiled_checkpointing_job(grid, grads_at_end=False):
 
 
 def op_calls_job(grid) -> dict:
-    """On a grid cut over x only every compiled product is the compiler's GEMMs around two ops, the
-    weight's gather (``lightning_3d::gathered_weight``) and its gradient (``lightning_3d::weight_grad``,
-    which reduce-scatters it); elsewhere the product's own two ops. Counted in a profile of one
-    step of the compiled model."""
+    """On a grid cut over x only every compiled product is the compiler's GEMM between two ops, the
+    weight's gather (``lightning_3d::gathered_weight``) and the backward GEMMs with dB's
+    reduce-scatter (``lightning_3d::gathered_product_backward``); elsewhere the product's own two
+    ops. Counted in a profile of one step of the compiled model."""
     _fresh_compiler()
     _, model = pair(grid, config("llama"), 1, options=RuntimeOptions(compile=True))
     idx, targets = batch(grid, 2)
@@ -122,7 +122,7 @@ def op_calls_job(grid) -> dict:
     x_only = grid.size("y") == grid.size("z") == 1
     gathered, own = (products, 0) if x_only else (0, products)
     return {"gathered_weight_calls": float(calls.get("lightning_3d::gathered_weight", 0) != gathered),
-            "weight_grad_calls": float(calls.get("lightning_3d::weight_grad", 0) != gathered),
+            "gathered_backward_calls": float(calls.get("lightning_3d::gathered_product_backward", 0) != gathered),
             "matmul3d_calls": float(calls.get("lightning_3d::matmul3d", 0) != own),
             "matmul3d_backward_calls": float(calls.get("lightning_3d::matmul3d_backward", 0) != own)}
 

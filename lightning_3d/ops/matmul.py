@@ -227,7 +227,8 @@ class _Matmul3D(torch.autograd.Function):
 _LIBRARY = torch.library.Library("lightning_3d", "FRAGMENT")
 _LIBRARY.define("matmul3d(Tensor a, Tensor b, Tensor? bias, str plan) -> (Tensor, Tensor, Tensor)")
 _LIBRARY.define("gathered_weight(Tensor b, str plan) -> Tensor")
-_LIBRARY.define("weight_grad(Tensor grad_c, Tensor a, Tensor weight, str plan) -> Tensor")
+_LIBRARY.define("gathered_product_backward(Tensor grad_c, Tensor a, Tensor b_full, Tensor weight, bool need_b, str plan) "
+                "-> (Tensor, Tensor)")
 _LIBRARY.define("matmul3d_backward(Tensor grad_c, Tensor kept_a, Tensor kept_b, Tensor weight, SymInt[] shapes, "
                 "ScalarType dtype_a, ScalarType dtype_b, ScalarType dtype_bias, bool[] needs, str plan) "
                 "-> (Tensor, Tensor, Tensor)")
@@ -330,11 +331,9 @@ def _op_backward(ctx, grad_c, _grad_kept_a, _grad_kept_b):
 
 
 # A product that gathers B alone (A's and C's groups of one, as every product of a grid cut over
-# x only) runs, compiled, as FSDP2's compiled blocks do: B gathered by one op, C and dA the
-# compiler's GEMMs, dB made and reduce-scattered by one op (made there, so that no buffer of the
-# compiler's is kept past the call). The host calls one lighter op a product and pass. Left for
-# the end of backward, dB is read by nothing after the op: the op is registered as having a side
-# effect, so that the compiler keeps it.
+# x only) runs, compiled, as FSDP2's compiled blocks do: B gathered by one op, C the compiler's
+# GEMM, dA and dB made by one op that reduce-scatters dB. Neither op runs the collectives of the
+# groups of one, so the host's two calls a product are lighter.
 
 
 def _gathers_b_only(plan: MatmulPlan) -> bool:
@@ -345,22 +344,23 @@ def _gathers_b_only(plan: MatmulPlan) -> bool:
 
 
 class _GatheredProduct(torch.autograd.Function):
-    """``C = A @ B_fullᵀ + bias`` with ``B_full`` B gathered over its group (``A``, ``C`` whole):
-    traced, the two GEMMs and the bias's gradient are the compiler's, the gather and dB the ops'."""
+    """``C = A @ B_fullᵀ + bias`` with ``B_full`` B gathered over its group (``A``, ``C`` whole): traced,
+    the forward GEMM and the bias's gradient are the compiler's, the gather and the backward GEMMs the ops'."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, key: str) -> torch.Tensor:
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, key: str, grads_at_end: bool) -> torch.Tensor:
         b_full = torch.ops.lightning_3d.gathered_weight(b, key)
         ctx.save_for_backward(a, b_full, b)  # b: the weight itself, a parameter's view (no memory)
-        ctx.key, ctx.grads_at_end, ctx.has_bias = key, _plan_of(key, resolve=False).grads_at_end, bias is not None
+        ctx.key, ctx.grads_at_end, ctx.has_bias = key, grads_at_end, bias is not None
         return F.linear(a, b_full, bias)
 
     @staticmethod
     def backward(ctx, grad_c: torch.Tensor):
         a, b_full, weight = ctx.saved_tensors
-        grad_b = torch.ops.lightning_3d.weight_grad(grad_c, a, weight, ctx.key) if ctx.needs_input_grad[1] else None
-        grad_bias = grad_c.sum(tuple(range(grad_c.dim() - 1))) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_c @ b_full, None if ctx.grads_at_end else grad_b, grad_bias, None
+        grad_a, grad_b = torch.ops.lightning_3d.gathered_product_backward(grad_c, a, b_full, weight, ctx.needs_input_grad[1],
+                                                                          ctx.key)
+        grad_bias = grad_c.sum(tuple(range(grad_c.dim() - 1))) if ctx.has_bias else None
+        return grad_a, None if ctx.grads_at_end or not ctx.needs_input_grad[1] else grad_b, grad_bias, None, None
 
 
 def _gathered_weight_kernel(b, key):
@@ -376,31 +376,34 @@ def _gathered_weight_fake(b, key):
     return b.new_empty([b.shape[0] * plan.sizes[1], *b.shape[1:]], dtype=plan.cast or b.dtype)
 
 
-def _weight_grad_kernel(grad_c, a, weight, key):
-    """``dB = dCᵀ A`` reduce-scattered over B's group, in B's dtype; left for the end of backward
-    (an empty tensor here) when the plan says so."""
+def _gathered_product_backward_kernel(grad_c, a, b_full, weight, need_b, key):
+    """``(dA, dB)``: dB (if ``need_b``) reduce-scattered over B's group, in B's dtype, or left for the
+    end of backward when the plan says so; an empty tensor where none is returned."""
     plan = _plan_of(key)
-    grad_full = _mm("atb", grad_c, a)  # dB of form "abt" (_BACKWARD)
-    if plan.grads_at_end:
-        scatter_at_end(grad_full, plan.groups[1], weight, plan.grads_together)
-        return grad_c.new_empty(0)
-    return comm.reduce_scatter_dim0(grad_full, plan.groups[1])[0].to(weight.dtype)
+    grad_b = grad_c.new_empty(0)
+    if need_b:
+        grad_full = _mm("atb", grad_c, a)  # dB of form "abt" (_BACKWARD)
+        if plan.grads_at_end:
+            scatter_at_end(grad_full, plan.groups[1], weight, plan.grads_together)
+        else:
+            grad_b = comm.reduce_scatter_dim0(grad_full, plan.groups[1])[0].to(weight.dtype)
+    return _mm("ab", grad_c, b_full), grad_b
 
 
-def _weight_grad_fake(grad_c, a, weight, key):
-    return grad_c.new_empty(0) if _plan_of(key, resolve=False).grads_at_end else weight.new_empty(weight.shape)
+def _gathered_product_backward_fake(grad_c, a, b_full, weight, need_b, key):
+    returned = need_b and not _plan_of(key, resolve=False).grads_at_end
+    return a.new_empty(a.shape), weight.new_empty(weight.shape) if returned else grad_c.new_empty(0)
 
 
 # the kernels run eagerly even inside compiled code: Dynamo must not trace into them
 for name, kernel, fake in (("matmul3d", _matmul3d_kernel, _matmul3d_fake),
                            ("matmul3d_backward", _matmul3d_backward_kernel, _matmul3d_backward_fake),
                            ("gathered_weight", _gathered_weight_kernel, _gathered_weight_fake),
-                           ("weight_grad", _weight_grad_kernel, _weight_grad_fake)):
+                           ("gathered_product_backward", _gathered_product_backward_kernel, _gathered_product_backward_fake)):
     _LIBRARY.impl(name, torch.compiler.disable(kernel), "CompositeExplicitAutograd")
     torch.library.register_fake(f"lightning_3d::{name}", fake, lib=_LIBRARY)
 del name, kernel, fake
 torch.library.register_autograd("lightning_3d::matmul3d", _op_backward, setup_context=_setup_context, lib=_LIBRARY)
-torch.fx.node.has_side_effect(torch.ops.lightning_3d.weight_grad.default)
 
 
 def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tensor:
@@ -419,7 +422,7 @@ def _matmul(form: str, a, b, directions, grid, options, bias=None) -> torch.Tens
     a = _cast(a, cast)
     if torch.compiler.is_compiling():
         if _gathers_b_only(plan):
-            return _GatheredProduct.apply(a, b, bias, _plan_key(plan))
+            return _GatheredProduct.apply(a, b, bias, _plan_key(plan), plan.grads_at_end)
         return torch.ops.lightning_3d.matmul3d(a, b, bias, _plan_key(plan))[0]
     return _Matmul3D.apply(a, b, bias, plan)
 
