@@ -4,8 +4,9 @@ Launch two processes (``torchrun --nproc_per_node 2 benchmarks/host_calls.py --o
 CPU without a GPU). On grid 2×1×1 at width 256 (``--width``: the GPU's work is negligible, the
 host's is not) each call runs 300 times after 30 untimed; the host's time per call is measured, the
 GPU synchronised only after. Calls: a product's custom op (``torch.ops.lightning_3d.matmul3d`` and
-its backward, as compiled blocks call them) against the same forward and backward called as Python
-functions, a weight gradient's reduce-scatter left for the end of backward, one and four at a time,
+its backward, as compiled blocks call them on grids not cut over x only) against the same forward
+and backward called as Python functions, the two ops a compiled product calls on a grid cut over x
+only (the weight's gather; the backward GEMMs with dB's reduce-scatter), a weight gradient's reduce-scatter left for the end of backward, one and four at a time,
 a block's flat weight gather, the collectives and stream calls they make, and a custom op with a
 trivial body against the Python function alone: what dispatch costs. Results go to
 ``DIR/host_calls.json``.
@@ -111,6 +112,10 @@ def main() -> None:
         timed("product backward, custom op", lambda: torch.ops.lightning_3d.matmul3d_backward(
             grad_c, a, kept_b, w, shapes, bf16, torch.float32, bf16, [True, True, False], key))
         timed("product backward, Python", lambda: products._backward(plan, grad_c, a, kept_b, (True, True, False), w))
+        w_full = torch.ops.lightning_3d.gathered_weight(w, key)
+        timed("x-grid product, the weight's gather op", lambda: torch.ops.lightning_3d.gathered_weight(w, key))
+        timed("x-grid product, its backward op", lambda: torch.ops.lightning_3d.gathered_product_backward(
+            grad_c, a, w_full, w, True, key))
         timed("custom op, trivial body", lambda: torch.ops.host_calls.trivial(a, 1))
         timed("its Python function", lambda: trivial(a, 1))
         timed("F.linear", lambda: F.linear(a, grad_full))

@@ -66,7 +66,7 @@ def _check_same_job(data: dict, labels: list[str]) -> None:
     assert len(set(round(v, 3) for v in reference)) > 1  # the optimizer steps change the loss
 
 
-@pytest.mark.parametrize("processes,rows", [(2, 13), (1, 7)])
+@pytest.mark.parametrize("processes,rows", [(2, 15), (1, 9)])
 def test_host_calls_micro_benchmark_on_cpu(tmp_path, processes, rows):
     """Every call of a 3-D product the host-cost benchmark times runs on 2 gloo ranks and is timed;
     on one process, the products and the trivial op only."""
