@@ -8,7 +8,8 @@ writes the packed gradient in one pass), and on separate tensors, as a dense mod
 per group runs it (no packed gradient: the reference); the GPU's time, and the wall time, which
 at these sizes the host's launches set. One GPU: ``python
 benchmarks/packed_elementwise.py --out DIR``; defaults are a Llama-7B block's local shapes on
-2×1×1 (4 sequences of 2048 tokens, 32 heads of 128 over 8 key/value heads, ffn 11008).
+2×1×1 (4 sequences of 2048 tokens, 32 heads of 128 over 8 key/value heads, ffn 11008). ``--cpu``:
+the same cases at tiny shapes on CPU, wall time only (a smoke test).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +42,10 @@ def rope_on_views(qkv: torch.Tensor, rope, r: int) -> tuple[torch.Tensor, ...]:
     return tuple(t.flatten(2, -2) for t in (q.transpose(-3, -2), k, v))
 
 
-def time_us(fn, inputs: tuple, repeats: int) -> tuple[float, float]:
+def time_us(fn, inputs: tuple, repeats: int, cuda: bool) -> tuple[float, float | None]:
     """µs per forward + backward of ``fn(*inputs)`` (fixed random output gradients, the input
     gradients returned, not accumulated), after warm-up: the wall time, which at these sizes the
-    host's launches set, and the GPU time, the sum of the kernels' times (``torch.profiler``)."""
+    host's launches set, and on CUDA the GPU time, the sum of the kernels' times (``torch.profiler``)."""
     outs = fn(*inputs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     grads = tuple(torch.randn_like(o) for o in outs)
@@ -52,21 +54,23 @@ def time_us(fn, inputs: tuple, repeats: int) -> tuple[float, float]:
         out = fn(*inputs)
         torch.autograd.grad(out if isinstance(out, tuple) else (out,), inputs, grads)
 
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(3):
         once()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
+    sync()
+    start = time.perf_counter()
     for _ in range(repeats):
         once()
-    end.record()
-    torch.cuda.synchronize()
+    sync()
+    wall_us = (time.perf_counter() - start) * 1e6 / repeats
+    if not cuda:
+        return wall_us, None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             once()
-        torch.cuda.synchronize()
+        sync()
     gpu_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
-    return start.elapsed_time(end) * 1000 / repeats, gpu_us / repeats
+    return wall_us, gpu_us / repeats
 
 
 def main() -> None:
@@ -80,13 +84,16 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=11008)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cpu", action="store_true", help="a smoke test: float32 on CPU, tiny shapes, wall time only")
     args = parser.parse_args()
-    device, bf16 = torch.device("cuda"), torch.bfloat16
+    if args.cpu:
+        args.batch, args.seq, args.kv_heads, args.queries_per_kv, args.head_dim, args.ffn, args.repeats = 2, 16, 2, 2, 8, 64, 2
+    device, dtype = (torch.device("cpu"), torch.float32) if args.cpu else (torch.device("cuda"), torch.bfloat16)
     b, s, p, r, d = args.batch, args.seq, args.px, args.queries_per_kv, args.head_dim
     rope = rope_tables(s, d, 10000.0, device)
 
     def leaf(*shape):
-        return torch.randn(*shape, device=device, dtype=bf16, requires_grad=True)
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
 
     qkv, gate_up = leaf(b, s, p, r + 2, args.kv_heads // p, d), leaf(b, s, p, 2, args.ffn // p)
     q, k, v = leaf(b, s, args.kv_heads * r, d), leaf(b, s, args.kv_heads, d), leaf(b, s, args.kv_heads, d)
@@ -102,12 +109,13 @@ def main() -> None:
     results = {}
     for name, (fn, inputs) in cases.items():
         torch.compiler.reset()
-        wall, gpu = time_us(torch.compile(fn), inputs, args.repeats)
+        wall, gpu = time_us(torch.compile(fn), inputs, args.repeats, device.type == "cuda")
         results[name] = {"wall_us": wall, "gpu_us": gpu}
-        print(f"{name:32s} forward + backward: {gpu:7.1f} µs of GPU kernels, {wall:7.1f} µs wall", flush=True)
+        on_gpu = "" if gpu is None else f"{gpu:7.1f} µs of GPU kernels, "
+        print(f"{name:32s} forward + backward: {on_gpu}{wall:7.1f} µs wall", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("BENCH_COMMIT", ""),
+        record = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("BENCH_COMMIT", ""),
                   "argv": sys.argv, "args": vars(args), "us": results}
         with open(os.path.join(args.out, "packed_elementwise.json"), "w") as f:
             json.dump(record, f, indent=1)

@@ -88,6 +88,16 @@ def test_group_order_micro_benchmark_on_cpu():
     assert "largest difference between the two orders: 0" in proc.stdout, proc.stdout
 
 
+def test_packed_elementwise_micro_benchmark_on_cpu(tmp_path):
+    """Every case of the packed SwiGLU and RoPE benchmark is compiled and timed, forward + backward."""
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "packed_elementwise.py"), "--cpu", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(tmp_path / "packed_elementwise.json") as f:
+        timed = json.load(f)["us"]
+    assert len(timed) == 6 and all(t["wall_us"] > 0 and t["gpu_us"] is None for t in timed.values()), timed
+
+
 def test_train_job_smoke_on_cpu(tmp_path):
     """The whole-job benchmark on 2 ranks: every 3-D grid (auto, async) and each eager peer train the same model alike."""
     labels = ["3d 2x1x1", "3d 2x1x1 ahead2 together1 early", "3d 1x2x1 async", "3d 1x1x2", "3d 1x1x1 dp2", "3d auto", "tp-sp", "tp", "fsdp2", "ddp",
