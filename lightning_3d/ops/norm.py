@@ -32,7 +32,9 @@ class _Normalize(torch.autograd.Function):
         x_hat = xs * rstd
         ctx.save_for_backward(x_hat, rstd)
         ctx.features, ctx.center, ctx.group = features, center, group
-        return x_hat.to(x.dtype)
+        # x_hat itself where the dtypes agree: on torch 2.11 a compiled forward that returns a no-op
+        # cast of a tensor it saved gives its input a zero gradient
+        return x_hat if x_hat.dtype == x.dtype else x_hat.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
