@@ -6,11 +6,8 @@ layout are whole sequences, so attention needs no communication).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..ops.packed_elementwise import rotate
 
@@ -34,9 +31,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """Causal self-attention of ``q`` ``[b, s, heads, head_dim]`` and ``k, v`` ``[b, s, kv_heads, head_dim]``
     → ``[b, s, heads·head_dim]``. With fewer key/value heads (grouped-query attention), query head
     ``i`` attends with key/value head ``i // (heads / kv_heads)``."""
-    # float64 on CPU runs the math kernel: torch 2.11 and 2.12 fail in the compiled backward of the flash one
-    math_only = q.dtype == torch.float64 and q.device.type == "cpu"
-    with sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           enable_gqa=q.shape[-2] != k.shape[-2])
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       enable_gqa=q.shape[-2] != k.shape[-2])
     return y.transpose(1, 2).flatten(-2)
