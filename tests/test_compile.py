@@ -1,4 +1,10 @@
-"""``RuntimeOptions(compile=True)``: GPT3D with its blocks compiled equals DenseGPT (float64) on every grid.
+"""``RuntimeOptions(compile=True)``: GPT3D with its blocks compiled equals DenseGPT (float64).
+
+The grids, in a world of 2, cut each axis once and cover both kinds of compiled product: a grid
+cut over x only (the compiler's GEMM between the weight's gather and its gradient's
+reduce-scatter) and grids cut over y or z (the product's own custom ops). Each rank compiles its
+own graphs, and compilation on CPU is slow, so the eager twin tests (``test_gpt.py``) carry the
+grids with several axes and dp.
 
 Each block compiles into one graph on every grid: its 3-D products, norm statistics and
 replicated gradients are custom ops inside it. Each job starts from a fresh compiler cache and
@@ -128,28 +134,24 @@ def op_calls_job(grid) -> dict:
 
 
 def test_compiled_products_on_an_x_grid_are_the_compilers():
-    assert_close(harness.run(4, on_grids, [(2, 1, 1), (1, 2, 1)], op_calls_job), tol=0.5)
+    assert_close(harness.run(2, on_grids, [(2, 1, 1), (1, 2, 1)], op_calls_job), tol=0.5)
 
 
 def test_compiled_gpt3d_equals_dense_on_grids():
-    assert_close(harness.run(4, on_grids, [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)], compiled_job), tol=1e-9)
-
-
-def test_compiled_gpt3d_equals_dense_on_2x2x2():
-    assert_close(harness.run(8, on_grids, [(2, 2, 2)], compiled_job), tol=1e-9)
+    assert_close(harness.run(2, on_grids, [(2, 1, 1), (1, 2, 1)], compiled_job), tol=1e-9)
 
 
 def test_compiled_gpt3d_with_prefetch_regather_and_collective_matmuls():
-    assert_close(harness.run(4, on_grids, [(2, 1, 1), (1, 2, 1), (2, 2, 1)], compiled_options_job), tol=1e-9)
+    assert_close(harness.run(2, on_grids, [(2, 1, 1), (1, 1, 2)], compiled_options_job), tol=1e-9)
 
 
 def test_compiled_gpt3d_under_autocast_matches_eager():
-    assert_close(harness.run(4, on_grids, [(2, 1, 1), (1, 2, 2)], compiled_autocast_job), tol=3e-2)
+    assert_close(harness.run(2, on_grids, [(2, 1, 1), (1, 1, 2)], compiled_autocast_job), tol=3e-2)
 
 
 def test_compiled_blocks_with_checkpointing_and_dropout():
-    assert_close(harness.run(4, on_grids, [(1, 2, 1), (1, 1, 1)], compiled_checkpointing_job), tol=1e-9)
-    assert_close(harness.run(4, on_grids, [(2, 1, 1)], compiled_checkpointing_job, True), tol=1e-9)
+    assert_close(harness.run(2, on_grids, [(1, 2, 1)], compiled_checkpointing_job), tol=1e-9)
+    assert_close(harness.run(2, on_grids, [(2, 1, 1)], compiled_checkpointing_job, True), tol=1e-9)
 
 
 def test_plan_key_round_trips_every_field():

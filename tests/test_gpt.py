@@ -122,7 +122,7 @@ def async_tp_job(grid):
 
 def test_gpt3d_equals_dense_with_async_tp():
     """Collective matmuls (biases added on one rank inside the fused products) change nothing."""
-    assert_close(harness.run(8, on_grids, GRIDS_8, async_tp_job), tol=1e-9)
+    assert_close(harness.run(8, on_grids, GRIDS, async_tp_job), tol=1e-9)
 
 
 def gqa_job(grid):
@@ -133,7 +133,7 @@ def gqa_job(grid):
 
 
 def test_gpt3d_with_grouped_query_attention_equals_dense_on_grids():
-    assert_close(harness.run(8, on_grids, GRIDS_8, gqa_job), tol=1e-9)
+    assert_close(harness.run(8, on_grids, GRIDS, gqa_job), tol=1e-9)
 
 
 def test_dense_grouped_query_attention_equals_hf_llama():
@@ -180,14 +180,14 @@ def test_gpt3d_equals_dense_on_2x1x1_with_dp2():
 
 
 def adamw_job(grid):
-    """20 AdamW steps on one batch: the same loss every step as DenseGPT's, and the loss falls."""
+    """10 AdamW steps on one batch: the same loss every step as DenseGPT's, and the loss falls."""
     errs = {}
     idx, targets = batch(grid, 7)
     for style in STYLES:
         dense, model = pair(grid, config(style), 6)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (dense, model)]
         history = []
-        for step in range(20):
+        for step in range(10):
             losses = []
             for m, opt in zip((dense, model), opts):
                 opt.zero_grad()
@@ -313,7 +313,7 @@ def generate_job(grid):
 
 
 def test_generate_agrees_across_cube():
-    grids = [(2, 1, 1), (1, 2, 2), (2, 2, 2)]
+    grids = [(2, 1, 1), (2, 2, 2)]
     results = harness.run(8, on_grids, grids, generate_job)
     for g in grids:
         per_rank = [r[g] for r in results]

@@ -1,4 +1,4 @@
-"""Two nodes on one host: two launchers of 4 processes each (gloo), under Lightning and torchrun.
+"""Two nodes on one host: two launchers of 2 processes each (gloo), under Lightning and torchrun.
 
 Each launcher is one "node" (its own ``NODE_RANK`` / ``--node-rank``); both train ``common``'s tiny
 GPT3D and must equal DenseGPT on the same global batches, with each cube where the rank order puts
@@ -83,9 +83,9 @@ def _records(out: Path, mode: str) -> list[dict]:
 
 
 def assert_cube_placement(recs: list[dict], axes: list[str]) -> None:
-    """Ranks 0-3 on one node and 4-7 on the other; the axes across nodes are the expected ones."""
-    nodes = [r["node"] for r in recs]
-    assert len(set(nodes[:4])) == 1 and len(set(nodes[4:])) == 1 and nodes[0] != nodes[4], nodes
+    """The first half of the ranks on one node and the rest on the other; the axes across nodes are the expected ones."""
+    nodes, half = [r["node"] for r in recs], len(recs) // 2
+    assert len(set(nodes[:half])) == 1 and len(set(nodes[half:])) == 1 and nodes[0] != nodes[half], nodes
     assert all(r["axes_across_nodes"] == axes for r in recs), [r["axes_across_nodes"] for r in recs]
     px, py, pz = recs[0]["grid"]
     for r in recs:  # the rank order: ((d·px + i)·py + j)·pz + l
@@ -98,6 +98,7 @@ def assert_close(got: list[float], want: list[float], what: str) -> None:
 
 
 def test_auto_grid_keeps_each_cube_inside_a_node():
+    assert grid_rules.resolve("auto", "auto", 4, 2) == ((2, 1, 1), 2)  # Trainer(num_nodes=2, devices=2)
     assert grid_rules.resolve("auto", "auto", 8, 4) == ((2, 2, 1), 2)  # Trainer(num_nodes=2, devices=4)
     assert grid_rules.resolve("auto", "auto", 128, 8) == ((2, 2, 2), 16)  # 16 nodes of 8
 
@@ -107,8 +108,8 @@ def test_lightning_num_nodes_2(tmp_path):
     envs = [_env(NODE_RANK=str(k), MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for k in range(2)]
     run_two_nodes([[sys.executable, str(SCRIPT), "lightning", str(tmp_path)]] * 2, envs, tmp_path)
     recs = _records(tmp_path, "lightning")
-    assert len(recs) == 8
-    assert all(r["grid"] == [2, 2, 1] and r["dp"] == 2 for r in recs)  # "auto": a cube of a node's 4 devices
+    assert len(recs) == 4
+    assert all(r["grid"] == [2, 1, 1] and r["dp"] == 2 for r in recs)  # "auto": a cube of a node's 2 devices
     assert_cube_placement(recs, ["dp"])
     dense = common.dense_reference(3)
     for r in recs:
@@ -117,12 +118,12 @@ def test_lightning_num_nodes_2(tmp_path):
 
 def test_torchrun_nnodes_2(tmp_path):
     port = str(_free_port())
-    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4", "--node-rank", str(k),
+    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k),
              "--master-addr", "127.0.0.1", "--master-port", port, str(SCRIPT), "torch", str(tmp_path)] for k in range(2)]
     run_two_nodes(cmds, [_env()] * 2, tmp_path)
     recs = _records(tmp_path, "torch")
-    assert len(recs) == 8
-    for grid, axes in (("2×2×1", ["dp"]), ("2×2×2", ["x"])):  # a cube per node; one cube split along x
+    assert len(recs) == 4
+    for grid, axes in (("2×1×1", ["dp"]), ("2×2×1", ["x"])):  # a cube per node; one cube split along x
         on_grid = [r[grid] for r in recs]
         assert_cube_placement(on_grid, axes)
         for r in on_grid:

@@ -1,11 +1,11 @@
 """Driver: one "node" of a two-node run on one host (tests/test_multinode.py starts two of them).
 
 - ``python multinode.py lightning OUT``, with ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set:
-  ``Trainer(num_nodes=2, devices=4, accelerator="cpu", strategy=Tensor3DStrategy())`` (grid
+  ``Trainer(num_nodes=2, devices=2, accelerator="cpu", strategy=Tensor3DStrategy())`` (grid
   ``"auto"``) trains one epoch of ``common``'s tiny GPT3D; Lightning's launcher starts the node's
-  other three processes.
-- ``torchrun --nnodes 2 --nproc-per-node 4 --node-rank K ... multinode.py torch OUT``: plain
-  ``init_grid`` on grids 2×2×1 (dp 2: a cube per node) and 2×2×2 (one cube on both nodes), three
+  other process.
+- ``torchrun --nnodes 2 --nproc-per-node 2 --node-rank K ... multinode.py torch OUT``: plain
+  ``init_grid`` on grids 2×1×1 (dp 2: a cube per node) and 2×2×1 (one cube on both nodes), three
   AdamW steps of GPT3D against DenseGPT on the same global batches, in every rank.
 
 Each process writes ``OUT/pid.<pid>`` at start; each rank writes ``OUT/<mode>.rank<r>.json``: its grid, node, where the cube's axes lie, and losses.
@@ -41,7 +41,7 @@ def lightning(out: Path) -> None:
     from lightning_3d import Tensor3DStrategy
 
     pl.seed_everything(common.SEED)
-    trainer = pl.Trainer(accelerator="cpu", devices=4, num_nodes=2, strategy=Tensor3DStrategy(timeout=TIMEOUT), max_epochs=1,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=Tensor3DStrategy(timeout=TIMEOUT), max_epochs=1,
                          gradient_clip_val=common.CLIP, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, default_root_dir=out)
     module = common.module_class("lightning.pytorch")()
@@ -83,7 +83,7 @@ def plain_torch(out: Path) -> None:
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
     records = {}
-    for shape in [(2, 2, 1), (2, 2, 2)]:
+    for shape in [(2, 1, 1), (2, 2, 1)]:
         grid = init_grid(shape)
         full, mine = _batches(grid.data_parallel_size, grid.coord("dp"))
         torch.manual_seed(common.INIT_SEED)

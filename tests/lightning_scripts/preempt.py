@@ -1,6 +1,6 @@
-"""Driver: a run of which one rank gets SIGTERM, then its resumption (Lightning's own launcher: ``devices=4``).
+"""Driver: a run of which one rank gets SIGTERM, then its resumption (Lightning's own launcher: ``devices=2``).
 
-``python preempt.py OUT preempt``: 2×1×1 with dp 2, 3 epochs of 3 steps; rank 2 sends itself SIGTERM
+``python preempt.py OUT preempt``: 2×1×1, 3 epochs of 3 steps; rank 1 sends itself SIGTERM
 before step 3 (noting the time in ``OUT/signalled_at``). Every rank must stop one step later, at the
 end of epoch 0 (global step 3), save ``OUT/preempted.ckpt`` and exit with status 143; each rank
 notes when it exits in ``OUT/exit.rank<r>``.
@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 
 from lightning_3d import Tensor3DStrategy
 
-SIGNAL_RANK, SIGNAL_STEP, TIMEOUT_S = 2, 2, 60
+SIGNAL_RANK, SIGNAL_STEP, TIMEOUT_S = 1, 2, 60
 
 
 class SignalRank(pl.Callback):
@@ -46,8 +46,8 @@ class SignalRank(pl.Callback):
 if __name__ == "__main__":
     out, mode = Path(sys.argv[1]), sys.argv[2]
     pl.seed_everything(common.SEED)
-    strategy = Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2, timeout=TIMEOUT_S, checkpoint_on_preemption=out / "preempted.ckpt")
+    strategy = Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=1, timeout=TIMEOUT_S, checkpoint_on_preemption=out / "preempted.ckpt")
     if mode == "preempt":
-        common.fit("lightning.pytorch", out, "preempted", strategy, epochs=3, devices=4, callbacks=[SignalRank(out)])
+        common.fit("lightning.pytorch", out, "preempted", strategy, epochs=3, devices=2, callbacks=[SignalRank(out)])
     else:
-        common.fit("lightning.pytorch", out, "resumed", strategy, epochs=3, devices=4, ckpt_path=out / "preempted.ckpt")
+        common.fit("lightning.pytorch", out, "resumed", strategy, epochs=3, devices=2, ckpt_path=out / "preempted.ckpt")

@@ -4,8 +4,8 @@
 ``MASTER_ADDR``, ``MASTER_PORT`` set), so Lightning creates no processes itself and one world
 serves several Trainers. Each run writes ``OUT/<run>.rank<r>.json``; test_strategy.py judges them.
 
-- ``world8`` (lightning.pytorch): A ``strategy="tensor3d"`` by name (auto 2×2×2), 2 epochs;
-  B 2×2×1 dp 2 with ZeRO-1 resumed from A's epoch-0 checkpoint; C 2×2×2 with dropout, 2 epochs;
+- ``cubes`` (lightning.pytorch, 4 ranks): A ``strategy="tensor3d"`` by name (auto 2×2×1), 2 epochs;
+  B 2×1×1 dp 2 with ZeRO-1 resumed from A's epoch-0 checkpoint; C 1×2×2 with dropout, 2 epochs;
   D resumed from C's epoch-0 checkpoint.
 - ``world4`` (lightning.pytorch): F 2×1×1 dp 2 (one dataloader worker a rank, model summary printed), then ``validate``;
   G the same with ZeRO-1;
@@ -26,17 +26,17 @@ import common
 common.quiet()
 
 
-def world8(out: Path) -> None:
+def cubes(out: Path) -> None:
     import lightning.pytorch as pl
 
     from lightning_3d import Tensor3DStrategy
 
     pl.seed_everything(common.SEED)
-    common.fit("lightning.pytorch", out, "A", "tensor3d", epochs=2, devices=8)
-    common.fit("lightning.pytorch", out, "B", Tensor3DStrategy(grid=(2, 2, 1), data_parallel_size=2, zero_stage=1),
-               epochs=2, devices=8, ckpt_path=out / "A" / "epoch=0.ckpt")
-    common.fit("lightning.pytorch", out, "C", Tensor3DStrategy(grid=(2, 2, 2)), epochs=2, devices=8, dropout=0.1)
-    common.fit("lightning.pytorch", out, "D", Tensor3DStrategy(grid=(2, 2, 2)), epochs=2, devices=8, dropout=0.1,
+    common.fit("lightning.pytorch", out, "A", "tensor3d", epochs=2, devices=4)
+    common.fit("lightning.pytorch", out, "B", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2, zero_stage=1),
+               epochs=2, devices=4, ckpt_path=out / "A" / "epoch=0.ckpt")
+    common.fit("lightning.pytorch", out, "C", Tensor3DStrategy(grid=(1, 2, 2)), epochs=2, devices=4, dropout=0.1)
+    common.fit("lightning.pytorch", out, "D", Tensor3DStrategy(grid=(1, 2, 2)), epochs=2, devices=4, dropout=0.1,
                ckpt_path=out / "C" / "epoch=0.ckpt")
 
 
@@ -81,4 +81,4 @@ def world1(out: Path, resume_from: str) -> None:
 
 if __name__ == "__main__":
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    {"world8": world8, "world4": world4, "world1": world1}[scenario](out, *sys.argv[3:])
+    {"cubes": cubes, "world4": world4, "world1": world1}[scenario](out, *sys.argv[3:])
