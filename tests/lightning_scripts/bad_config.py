@@ -1,9 +1,11 @@
 """Driver: a 4-process run (Lightning's own launcher) whose ``configure_model`` builds a layer that does not split on 2×2×1.
 
 Every rank raises the same error; rank 0 must show it with its traceback, the others one line each.
+Rank 0 prints ``configure_model at <time.monotonic()>`` first, so the test times the error from there.
 """
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -20,6 +22,8 @@ from lightning_3d import Linear3D, Tensor3DStrategy
 
 class Misfit(pl.LightningModule):
     def configure_model(self):
+        if self.global_rank == 0:
+            print(f"configure_model at {time.monotonic()}", flush=True)
         self.layer = Linear3D(8, 30)  # 30 output features do not split over py·px = 4
 
     def training_step(self, batch, batch_idx):
