@@ -3,7 +3,7 @@
 The core (grid, ops, layers) imports torch only; ``lightning_3d.strategy`` brings Lightning in.
 """
 
-from .grid import Grid, get_grid, init_grid, set_grid
+from .grid import Grid, destroy_grid, get_grid, init_grid, set_grid
 from .layers import (
     CrossEntropyLoss3D,
     Dropout3D,
@@ -35,6 +35,7 @@ __all__ = [
     "VocabParallelEmbedding3D",
     "WeightPrefetch",
     "dense_state_dict",
+    "destroy_grid",
     "gather_activation",
     "get_grid",
     "get_spec",

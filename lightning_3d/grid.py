@@ -94,6 +94,8 @@ class Grid:
 
     def group(self, axes: str) -> dist.ProcessGroup:
         """The process group of the ranks that differ from this one only along ``axes``."""
+        if not self._groups:
+            raise RuntimeError(f"{self!r}: its process groups were destroyed by destroy_grid; build another grid with init_grid")
         return self._groups[normalize_axes(axes)]
 
     def cube_coords(self, cube_rank: int) -> tuple[int, int, int]:
@@ -227,6 +229,24 @@ def init_grid(
     _current = Grid(shape=shape, data_parallel_size=dp, coords=coords, mesh=mesh, timeout=timeout, _groups=groups,
                     axes_across_nodes=axes_across_nodes(mesh_shape, nodes))
     return _current
+
+
+def destroy_grid(grid: Grid) -> None:
+    """Destroy the process groups of ``grid``; every rank of the world calls it, once no model built
+    on the grid runs again.
+
+    A group holds its backend's resources until it is destroyed: NCCL communicators and their
+    buffers; on gloo, a thread that wakes every 10 ms, so a process that keeps many grids (one per
+    ``Trainer``, or one per shape tried) spends CPU time on them. Afterwards the grid, and every
+    layer built on it, refuses to run a collective; it is no longer the current grid.
+    """
+    global _current
+    unique = {id(g): g for g in grid._groups.values() if g not in (None, dist.GroupMember.NON_GROUP_MEMBER, dist.GroupMember.WORLD)}
+    for group in unique.values():
+        dist.destroy_process_group(group)
+    grid._groups.clear()
+    if _current is grid:
+        _current = None
 
 
 def get_grid() -> Grid:

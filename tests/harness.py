@@ -20,7 +20,9 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 JOB_TIMEOUT = 240.0
 
-_grids: dict = {}
+KEPT_GRIDS = 2  # a job may use two grids at once (resharding); each kept gloo group's thread wakes every 10 ms
+
+_grids: dict = {}  # (shape, dp) → Grid, least recently asked first
 
 
 def _free_port() -> int:
@@ -51,12 +53,18 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
 
 def grid(shape, dp=None):
-    """The worker's grid of this shape, built once (group creation is collective: every rank calls alike)."""
+    """The worker's grid of this shape, made current; group creation and destruction are collective,
+    so every rank asks alike. The last ``KEPT_GRIDS`` grids asked for are kept; an older one is
+    destroyed: with every grid of a sweep kept, the idle gloo threads of worlds of 8, 4 and 2 took
+    over half of a 2-core machine by the middle of the suite."""
     import lightning_3d
 
     key = (tuple(shape), dp)
     if key not in _grids:
+        while len(_grids) >= KEPT_GRIDS:
+            lightning_3d.destroy_grid(_grids.pop(next(iter(_grids))))
         _grids[key] = lightning_3d.init_grid(shape, dp)
+    _grids[key] = _grids.pop(key)  # the most recently asked for goes last
     lightning_3d.set_grid(_grids[key])
     return _grids[key]
 

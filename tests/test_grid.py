@@ -1,4 +1,7 @@
-"""The grid: coordinates, group membership, errors, and activation split/gather."""
+"""The grid: coordinates, group membership, errors, destruction, and activation split/gather."""
+
+import glob
+import os
 
 import pytest
 import torch
@@ -41,6 +44,39 @@ def test_coords_and_groups():
             assert m["dp"] == [rest + k * px * py * pz for k in range(8 // (px * py * pz))]
             assert set(m["x"]) | set(m["y"]) | set(m["z"]) <= set(m["cube"])
             assert set(m["xz"]) == {a for a in m["cube"] if (a // pz) % py == (rank // pz) % py}
+
+
+def _gloo_threads() -> int:
+    """This process's gloo transport threads: one per gloo process group it belongs to, each waking every 10 ms."""
+    return sum(open(f).read().strip() == "gloo_tcp_loop" for f in glob.glob(f"/proc/{os.getpid()}/task/*/comm"))
+
+
+def destroy_job():
+    """Grids built and destroyed in turn leave no process group (nor its thread) behind; a destroyed grid refuses to run."""
+    from lightning_3d import destroy_grid, get_grid
+
+    before = _gloo_threads()
+    for shape in [(2, 2, 1), (1, 2, 2), (2, 1, 1)]:
+        grid = init_grid(shape)
+        dist.all_reduce(torch.ones(1), group=grid.group("cube"))
+        destroy_grid(grid)
+    try:
+        grid.group("x")
+    except RuntimeError as e:
+        refused = str(e)
+    try:
+        get_grid()
+    except RuntimeError:
+        refused += " | no current grid"
+    del grid
+    return before, _gloo_threads(), refused
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_destroyed_grids_leave_no_groups():
+    for before, after, refused in harness.run(4, destroy_job):
+        assert after == before, f"{after - before} gloo threads left by three destroyed grids"
+        assert "Grid(2×1×1, dp=2" in refused and "destroyed by destroy_grid" in refused and refused.endswith("| no current grid"), refused
 
 
 @pytest.mark.parametrize(

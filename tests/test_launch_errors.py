@@ -55,7 +55,7 @@ def test_grid_against_devices_is_refused_in_the_launching_process(kwargs, messag
 
 def test_an_error_inside_the_world_is_printed_once():
     """Timed from rank 0's ``configure_model`` to the exit (one machine-wide monotonic clock), not
-    from the start: four interpreters importing Lightning can take a minute on a loaded 2-core machine."""
+    from the start: interpreters importing Lightning can take a minute on a loaded 2-core machine."""
     run = subprocess.run([sys.executable, str(SCRIPTS / "bad_config.py")], env=_env(), capture_output=True, text=True, timeout=180)
     log = run.stdout + run.stderr
     started = re.search(r"configure_model at ([0-9.]+)", log)
@@ -64,7 +64,7 @@ def test_an_error_inside_the_world_is_printed_once():
     assert run.returncode != 0
     assert log.count("Traceback (most recent call last)") == 1, log[-4000:]
     assert "ConfigurationError" in log, log[-4000:]
-    # the other ranks say at most one line each (a rank still starting may be ended by rank 0's exit first)
+    # the other rank says at most one line (still starting, it may be ended by rank 0's exit first)
     quiet = re.findall(r"tensor3d: rank (\d+): ConfigurationError", log)
-    assert "0" not in quiet and len(quiet) == len(set(quiet)) <= 3, quiet
+    assert quiet in ([], ["1"]), quiet
     assert took < 60, f"the error took {took:.0f} s to surface (the collective timeout is 60 s)"

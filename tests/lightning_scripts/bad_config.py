@@ -1,6 +1,6 @@
-"""Driver: a 4-process run (Lightning's own launcher) whose ``configure_model`` builds a layer that does not split on 2×2×1.
+"""Driver: a 2-process run (Lightning's own launcher) whose ``configure_model`` builds a layer that does not split on 2×1×1.
 
-Every rank raises the same error; rank 0 must show it with its traceback, the others one line each.
+Every rank raises the same error; rank 0 must show it with its traceback, the other one line.
 Rank 0 prints ``configure_model at <time.monotonic()>`` first, so the test times the error from there.
 """
 
@@ -24,7 +24,7 @@ class Misfit(pl.LightningModule):
     def configure_model(self):
         if self.global_rank == 0:
             print(f"configure_model at {time.monotonic()}", flush=True)
-        self.layer = Linear3D(8, 30)  # 30 output features do not split over py·px = 4
+        self.layer = Linear3D(8, 31)  # 31 output features do not split over py·px = 2
 
     def training_step(self, batch, batch_idx):
         return self.layer(batch).sum()
@@ -37,6 +37,6 @@ class Misfit(pl.LightningModule):
 
 
 if __name__ == "__main__":
-    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=Tensor3DStrategy(grid=(2, 2, 1), timeout=60), max_steps=1,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=Tensor3DStrategy(grid=(2, 1, 1), timeout=60), max_steps=1,
                          logger=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Misfit())

@@ -4,11 +4,10 @@
 ``MASTER_ADDR``, ``MASTER_PORT`` set), so Lightning creates no processes itself and one world
 serves several Trainers. Each run writes ``OUT/<run>.rank<r>.json``; test_strategy.py judges them.
 
-- ``cubes`` (lightning.pytorch, 4 ranks): A ``strategy="tensor3d"`` by name (auto 2×2×1), 2 epochs;
+- ``world4`` (lightning.pytorch, 4 ranks): A ``strategy="tensor3d"`` by name (auto 2×2×1), 2 epochs;
   B 2×1×1 dp 2 with ZeRO-1 resumed from A's epoch-0 checkpoint; C 1×2×2 with dropout, 2 epochs;
-  D resumed from C's epoch-0 checkpoint.
-- ``world4`` (lightning.pytorch): F 2×1×1 dp 2 (one dataloader worker a rank, model summary printed), then ``validate``;
-  G the same with ZeRO-1;
+  D resumed from C's epoch-0 checkpoint;
+  F 2×1×1 dp 2 (one dataloader worker a rank, model summary printed), then ``validate``;
   H the same in bf16-mixed, 1 epoch;
   I the same in float32 with the dp gradients reduced in fp16 (``ddp_comm_hook``; bf16 needs NCCL), 1 epoch.
 - ``world1`` (pytorch_lightning): LightningCLI parses the strategy by name and by class_path;
@@ -26,8 +25,9 @@ import common
 common.quiet()
 
 
-def cubes(out: Path) -> None:
+def world4(out: Path) -> None:
     import lightning.pytorch as pl
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from lightning_3d import Tensor3DStrategy
 
@@ -39,22 +39,13 @@ def cubes(out: Path) -> None:
     common.fit("lightning.pytorch", out, "D", Tensor3DStrategy(grid=(1, 2, 2)), epochs=2, devices=4, dropout=0.1,
                ckpt_path=out / "C" / "epoch=0.ckpt")
 
-
-def world4(out: Path) -> None:
-    import lightning.pytorch as pl
-
-    from lightning_3d import Tensor3DStrategy
-
     pl.seed_everything(common.SEED, workers=True)  # workers seeded by dp rank: the same within a cube
     trainer, module = common.fit("lightning.pytorch", out, "F", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2), epochs=2, devices=4,
                                  summary=True, workers=1)
     validated = common.validate_keeps_shards(trainer, module)
     (out / f"validate.rank{trainer.global_rank}.json").write_text(json.dumps(validated))
-    common.fit("lightning.pytorch", out, "G", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2, zero_stage=1), epochs=2, devices=4)
     common.fit("lightning.pytorch", out, "H", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2), epochs=1, devices=4,
                precision="bf16-mixed")
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
     common.fit("lightning.pytorch", out, "I", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2, ddp_comm_hook=default_hooks.fp16_compress_hook,
                                                                bucket_cap_mb=1), epochs=1, devices=4)
 
@@ -81,4 +72,4 @@ def world1(out: Path, resume_from: str) -> None:
 
 if __name__ == "__main__":
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    {"cubes": cubes, "world4": world4, "world1": world1}[scenario](out, *sys.argv[3:])
+    {"world4": world4, "world1": world1}[scenario](out, *sys.argv[3:])
