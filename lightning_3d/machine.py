@@ -118,6 +118,15 @@ def _links(rates: dict) -> dict[str, Link]:
     return {op: Link(r["busbw_GBps"], r["latency_us"]) for op, r in rates.items()}
 
 
+def _rates_then_destroy(device: torch.device, group, size: int, sizes: Sizes) -> dict:
+    """:func:`collective_rates` in ``group``, which is then destroyed: a measuring group held on
+    would keep its NCCL communicators' memory, or a gloo thread, for the rest of the run."""
+    try:
+        return collective_rates(device, group, size, sizes.large, sizes.iters, sizes.small, sizes.burst)
+    finally:
+        dist.destroy_process_group(group)
+
+
 def measure_machine(device: torch.device | None = None, gpus_per_node: int | None = None, sizes: Sizes | None = None) -> Machine:
     """The :class:`~lightning_3d.planner.Machine` of this world, measured; call on every rank.
 
@@ -146,13 +155,13 @@ def measure_machine(device: torch.device | None = None, gpus_per_node: int | Non
     intra = {op: {} for op in OPS}
     for g in (g for g in range(2, per_node + 1) if per_node % g == 0):
         group, _ = dist.new_subgroups(g)
-        for op, link in _links(collective_rates(device, group, g, sizes.large, sizes.iters, sizes.small, sizes.burst)).items():
+        for op, link in _links(_rates_then_destroy(device, group, g, sizes)).items():
             intra[op][g] = link
     inter = dict(DEFAULT_MACHINE.inter)
     nodes = world // per_node
     if nodes > 1:
         group, _ = dist.new_subgroups_by_enumeration([[i + n * per_node for n in range(nodes)] for i in range(per_node)])
-        inter = _links(collective_rates(device, group, nodes, sizes.large, sizes.iters, sizes.small, sizes.burst))
+        inter = _links(_rates_then_destroy(device, group, nodes, sizes))
     memory = torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else DEFAULT_MACHINE.memory_GiB
     return replace(DEFAULT_MACHINE, matmul_tflops=matmul, hbm_GBps=copy, gpus_per_node=per_node, memory_GiB=memory,
                    intra={op: table or DEFAULT_MACHINE.intra[op] for op, table in intra.items()}, inter=inter)

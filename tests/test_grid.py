@@ -1,6 +1,5 @@
 """The grid: coordinates, group membership, errors, destruction, and activation split/gather."""
 
-import glob
 import os
 
 import pytest
@@ -8,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from checks import GRIDS_8, local, on_grids, rel, seed_for
+from checks import GRIDS_8, gloo_threads, local, on_grids, rel, seed_for
 from lightning_3d import Grid, gather_activation, init_grid, split_activation
 from lightning_3d.grid import _check_shape, axes_across_nodes
 
@@ -46,16 +45,11 @@ def test_coords_and_groups():
             assert set(m["xz"]) == {a for a in m["cube"] if (a // pz) % py == (rank // pz) % py}
 
 
-def _gloo_threads() -> int:
-    """This process's gloo transport threads: one per gloo process group it belongs to, each waking every 10 ms."""
-    return sum(open(f).read().strip() == "gloo_tcp_loop" for f in glob.glob(f"/proc/{os.getpid()}/task/*/comm"))
-
-
 def destroy_job():
     """Grids built and destroyed in turn leave no process group (nor its thread) behind; a destroyed grid refuses to run."""
     from lightning_3d import destroy_grid, get_grid
 
-    before = _gloo_threads()
+    before = gloo_threads()
     for shape in [(2, 2, 1), (1, 2, 2), (2, 1, 1)]:
         grid = init_grid(shape)
         dist.all_reduce(torch.ones(1), group=grid.group("cube"))
@@ -69,7 +63,7 @@ def destroy_job():
     except RuntimeError:
         refused += " | no current grid"
     del grid
-    return before, _gloo_threads(), refused
+    return before, gloo_threads(), refused
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")

@@ -1,8 +1,13 @@
 """The machine's rates measured on real gloo process groups: positive, per group size, and a
-round trip through the JSON the benchmarks record."""
+round trip through the JSON the benchmarks record; the groups measured in are destroyed."""
+
+import os
 
 import harness
+from checks import gloo_threads
 from lightning_3d import planner
+
+COUNTS_THREADS = os.path.isdir("/proc/self/task")
 
 
 def measure_job(gpus_per_node):
@@ -10,7 +15,10 @@ def measure_job(gpus_per_node):
 
     from lightning_3d.machine import CPU, measure_machine
 
-    return measure_machine(torch.device("cpu"), gpus_per_node, CPU).rates()
+    before = gloo_threads()
+    rates = measure_machine(torch.device("cpu"), gpus_per_node, CPU).rates()
+    assert not COUNTS_THREADS or gloo_threads() == before, f"measure_machine left {gloo_threads() - before} gloo groups"
+    return rates
 
 
 def test_two_ranks_on_one_node_measure_links_of_size_2():
