@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import queue
 import socket
@@ -57,6 +58,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         for group in _live_groups() - before:  # left by the job (its own grids, DeepSpeed's, ...): every rank alike
             if id(group) not in kept:
                 dist.destroy_process_group(group)
+        gc.collect()  # a destroyed group's backend, and its thread, go with its last reference, often in a cycle
     dist.destroy_process_group()
 
 
