@@ -3,8 +3,9 @@
 ``run(world_size, fn, *args)`` runs ``fn(*args)`` on every rank and returns the per-rank results.
 ``fn`` must be importable (a module-level function). Process groups a job leaves behind are
 destroyed after it, but those of the grids :func:`grid` keeps: each gloo group keeps a thread that
-wakes every 10 ms, and the groups of every earlier job, kept in worlds of 8, 4 and 2, took most of
-a 2-core machine's time by the end of the suite. Every collective is bounded by the process
+wakes every 10 ms. Kept from every earlier job, they grew to 40–70 threads in each of the 14
+workers of worlds 8, 4 and 2 by the end of the suite, and a worker holding 71 spent 11% of a core
+on them: about half of a 2-core machine, doing nothing. Every collective is bounded by the process
 group's timeout, and the driver waits at most ``JOB_TIMEOUT`` seconds: a hung or failed job kills
 the pool (a fresh one is spawned for the next test) and fails the test with every rank's report.
 """
@@ -71,9 +72,8 @@ def _live_groups() -> set:
 
 def grid(shape, dp=None):
     """The worker's grid of this shape, made current; group creation and destruction are collective,
-    so every rank asks alike. The last ``KEPT_GRIDS`` grids asked for are kept; an older one is
-    destroyed: with every grid of a sweep kept, the idle gloo threads of worlds of 8, 4 and 2 took
-    over half of a 2-core machine by the middle of the suite."""
+    so every rank asks alike. The last ``KEPT_GRIDS`` grids asked for are kept and an older one is
+    destroyed (its groups' threads: see above)."""
     import lightning_3d
 
     key = (tuple(shape), dp)

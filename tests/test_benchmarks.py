@@ -131,15 +131,15 @@ def test_train_job_2d_peer_and_llama_on_cpu(tmp_path):
 
 def test_train_job_appends_one_process_per_case(tmp_path):
     """``--append``: cases of separate processes gather into one file of one job; another job's
-    file is refused with the fields that differ."""
-    _train_job(tmp_path, 2, "tiny-gpt2", "3d 2x1x1")
-    data = _train_job(tmp_path, 2, "tiny-gpt2", "ddp", "--append")
-    _check_same_job(data, ["3d 2x1x1", "ddp"])
+    file is refused with the fields that differ (worlds of one process: the cases run above)."""
+    _train_job(tmp_path, 1, "tiny-gpt2", "3d 1x1x1")
+    data = _train_job(tmp_path, 1, "tiny-gpt2", "ddp", "--append")
+    _check_same_job(data, ["3d 1x1x1", "ddp"])
     assert len(data["meta"]["appended"]) == 1 and "ddp" in data["meta"]["appended"][0]["argv"]
-    refused = _launch(tmp_path, 2, "tiny-gpt2", "fsdp2", "--append", "--steps", "3")
+    refused = _launch(tmp_path, 1, "tiny-gpt2", "fsdp2", "--append", "--steps", "3")
     assert refused.returncode != 0 and "--append:" in refused.stderr and "steps: 2 in the file, 3 here" in refused.stderr
-    with open(tmp_path / "job_w2_tiny-gpt2_nvlink.json") as f:
-        assert [c["case"] for c in json.load(f)["cases"]] == ["3d 2x1x1", "ddp"]  # the file is left as it was
+    with open(tmp_path / "job_w1_tiny-gpt2_nvlink.json") as f:
+        assert [c["case"] for c in json.load(f)["cases"]] == ["3d 1x1x1", "ddp"]  # the file is left as it was
 
 
 def test_train_job_cases_parse_and_refuse_bad_input():

@@ -36,8 +36,10 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_resume_is_ex
     assert max(exits) - signalled < 30, f"ranks exited {[round(e - signalled, 1) for e in exits]} s after the signal"
     assert ckpt.read_layout(saved) and (saved / "meta.pt").is_file()
 
+    written = (saved / "manifest.json").stat().st_mtime_ns
     resumed = subprocess.run(driver + ["resume"], env=_env(), capture_output=True, text=True, timeout=240, check=False)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    assert (saved / "manifest.json").stat().st_mtime_ns == written, "the resumed run rewrote the checkpoint it started from"
     rec = records(tmp_path, "resumed")
     assert all(r["global_step"] == 9 for r in rec)
     assert_close(rec[0]["loss"], common.dense_reference(9)["loss"][3:9], "losses after resuming from the preemption checkpoint")
