@@ -38,7 +38,8 @@ def run_side_by_side(commands: dict[str, dict], timeout: float) -> dict[str, Fin
         raise TimeoutError(f"{sorted(set(procs) - set(ended))} still running after {timeout:.0f} s")
 
     def text(f) -> str:
-        f.seek(0)
-        return f.read()
+        with f:
+            f.seek(0)
+            return f.read()
 
     return {name: Finished(proc.returncode, text(outs[name][0]), text(outs[name][1]), ended[name]) for name, proc in procs.items()}

@@ -8,10 +8,7 @@ the others would wait in their next collective until the timeout.
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
 
