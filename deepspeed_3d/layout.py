@@ -6,6 +6,8 @@ module's state dict uses for it), the :class:`~lightning_3d.sharding.ShardSpec` 
 the grid. Parameters without a spec are replicated over the cube and are not listed.
 ``"dense_shapes"`` holds the shapes that modules declare for dense export
 (:func:`lightning_3d.checkpoint.dense_shapes`: padded vocabularies, fused weights);
+``"dense_transposed"`` the keys the dense twin stores transposed
+(:func:`lightning_3d.checkpoint.dense_transposed`: Hugging Face ``Conv1D`` weights, ``[in, out]``);
 ``"dense_root"`` the model inside the module whose dense twin to export (its state-dict prefix,
 class and config: :func:`lightning_3d.checkpoint.dense_root`).
 
@@ -19,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_3d.checkpoint import dense_root, dense_shapes
+from lightning_3d.checkpoint import dense_root, dense_shapes, dense_transposed
 from lightning_3d.grid import Grid
 from lightning_3d.sharding import ShardSpec, get_spec
 
@@ -35,7 +37,8 @@ def model_layout(module: nn.Module, grid: Grid) -> dict[str, Any]:
             params[name] = {"global_shape": list(spec.global_shape), "dims": [list(axes) for axes in spec.dims]}
         ties[name] = first.setdefault(id(param), name)  # a tied parameter (an LM head's) → its first name
     return {"grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size, "params": params,
-            "dense_shapes": dense_shapes(module), "dense_root": dense_root(module), "ties": {k: v for k, v in ties.items() if k != v}}
+            "dense_shapes": dense_shapes(module), "dense_transposed": dense_transposed(module), "dense_root": dense_root(module),
+            "ties": {k: v for k, v in ties.items() if k != v}}
 
 
 def layout_specs(layout: dict[str, Any]) -> dict[str, ShardSpec]:

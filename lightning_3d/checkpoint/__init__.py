@@ -5,7 +5,7 @@ A checkpoint is a directory, visible only once complete (:mod:`.publish`):
 - ``.metadata`` and ``__<r>_<i>.distcp`` (DCP): ``state_dict.<name>`` for every entry of the
   module's state dict, ``optimizer_<i>.state.<param name>.<key>`` for optimizer state, each 3-D
   tensor as a DTensor view of its ShardSpec (:mod:`.views`). Any grid reads any part back.
-- ``layout.json``: the grid it was written on, the model's true shapes and its dense root
+- ``layout.json``: the grid it was written on, the model's true shapes and layouts and its dense root
   (:mod:`.saved_model`).
 - ``rng/<rank>.json``: each rank's RNG states (:mod:`.rng`).
 - ``meta.pt``: what the caller adds (the Lightning strategy: loop state, param groups,
@@ -24,13 +24,13 @@ from .files import LAYOUT_FILE, META_FILE, MODEL_KEY, RNG_DIR, CheckpointError, 
 from .manifest import verify
 from .publish import is_complete, latest_complete
 from .rng import rng_state, set_rng_state
-from .saved_model import dense_root, dense_shapes
+from .saved_model import dense_root, dense_shapes, dense_transposed
 from .store import load_meta, load_model_, load_optimizer_, load_rng_state, read_layout, save
 from .views import model_state, optimizer_state, parameter_names, sharded_view
 
 __all__ = [
     "LAYOUT_FILE", "META_FILE", "MODEL_KEY", "RNG_DIR", "CheckpointError", "dense_gpt", "dense_info", "dense_root", "root_info",
-    "dense_shapes", "global_to_dense", "is_complete", "latest_complete", "load_meta", "load_model_", "load_optimizer_",
+    "dense_shapes", "dense_transposed", "global_to_dense", "is_complete", "latest_complete", "load_meta", "load_model_", "load_optimizer_",
     "load_rng_state", "main", "model_state", "optimizer_key", "optimizer_state", "parameter_names", "read_dense",
     "read_layout", "rng_state", "save", "save_dense", "set_rng_state", "sharded_view", "to_dense", "verify",
 ]

@@ -2,8 +2,10 @@
 
 The global tensor of a key is usually the dense model's tensor. A module whose global tensors
 differ (GPT3D pads the vocabulary rows and views fused weights as groups) declares
-``dense_shapes = {key: dense shape}``; export keeps the leading rows that fit and reshapes. Keys
-are those of the dense twin: the checkpoint's ``dense_root`` prefix (``"model."`` for a
+``dense_shapes = {key: dense shape}``; export keeps the leading rows that fit and reshapes. A
+weight the dense twin stores transposed (``[in, out]``: Hugging Face's ``Conv1D``) is listed in
+``dense_transposed`` and exported so. The result is exactly the dense twin's ``state_dict()``.
+Keys are those of the dense twin: the checkpoint's ``dense_root`` prefix (``"model."`` for a
 LightningModule holding its model as ``self.model``) is dropped.
 
 Output files: ``*.safetensors`` carries the config in its metadata (key ``lightning_3d``); any
@@ -30,13 +32,17 @@ DENSE_FORMAT = "lightning_3d.dense/1"
 INFO_KEY = "lightning_3d"
 
 
-def global_to_dense(full: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """Keep the leading rows that make up ``shape`` (drops padding), then reshape."""
-    row = math.prod(full.shape[1:])
-    need = math.prod(shape)
-    if need % row or need // row > full.shape[0]:
-        raise ValueError(f"cannot make a dense tensor of shape {shape} from a global tensor of shape {list(full.shape)}")
-    return full[: need // row].reshape(shape)
+def global_to_dense(full: torch.Tensor, shape: list[int] | None = None, transposed: bool = False) -> torch.Tensor:
+    """The dense twin's tensor of a global one: the leading rows that make up ``shape`` (drops padding;
+    default: all of them), reshaped to ``shape``; then, where ``transposed``, the 2-D result
+    transposed (a weight the dense twin stores ``[in, out]``, as Hugging Face's ``Conv1D``)."""
+    if shape is not None:
+        row = math.prod(full.shape[1:])
+        need = math.prod(shape)
+        if need % row or need // row > full.shape[0]:
+            raise ValueError(f"cannot make a dense tensor of shape {shape} from a global tensor of shape {list(full.shape)}")
+        full = full[: need // row].reshape(shape)
+    return full.t().contiguous() if transposed else full
 
 
 def dense_info(path: str | Path, prefix: str | None = None) -> dict[str, Any]:
@@ -68,7 +74,8 @@ def to_dense(path: str | Path, prefix: str | None = None) -> dict[str, torch.Ten
     path = Path(path)
     metadata = verified_metadata(path, collective=False)
     prefix = dense_info(path, prefix)["prefix"]
-    shapes = json.loads((path / LAYOUT_FILE).read_text())["dense_shapes"]
+    layout = json.loads((path / LAYOUT_FILE).read_text())
+    shapes, transposed = layout["dense_shapes"], set(layout.get("dense_transposed", ()))
     head = f"{MODEL_KEY}."
     full = {fqn[len(head):]: torch.empty(md.size, dtype=md.properties.dtype)
             for fqn, md in metadata.state_dict_metadata.items()
@@ -78,7 +85,7 @@ def to_dense(path: str | Path, prefix: str | None = None) -> dict[str, torch.Ten
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({MODEL_KEY: full}, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
-    return {k[len(prefix):]: global_to_dense(t, shapes[k]) if k in shapes else t for k, t in full.items()}
+    return {k[len(prefix):]: global_to_dense(t, shapes.get(k), k in transposed) for k, t in full.items()}
 
 
 def save_dense(state: dict[str, torch.Tensor], output: str | Path, info: dict[str, Any] | None = None) -> None:

@@ -3,9 +3,10 @@ checkpoint fits the model it is loaded into.
 
 ``layout.json`` holds ``grid``, ``data_parallel_size``, ``world_size``, ``dense_shapes`` (the true
 shape of every key whose global tensor differs: GPT3D's padded vocabulary rows, fused weights
-viewed as groups) and ``dense_root``: the model inside the saved module (its state-dict
-``prefix``, class and config, see :func:`dense_root`), so the dense twin's keys and
-hyper-parameters are known without the model.
+viewed as groups), ``dense_transposed`` (the keys the dense twin stores transposed: Hugging Face
+``Conv1D`` weights, ``[in, out]``) and ``dense_root``: the model inside the saved module (its
+state-dict ``prefix``, class and config, see :func:`dense_root`), so the dense twin's keys,
+layouts and hyper-parameters are known without the model.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ def dense_shapes(module: nn.Module) -> dict[str, list[int]]:
         if isinstance(declared, dict):
             out.update({(f"{prefix}.{k}" if prefix else k): list(shape) for k, shape in declared.items()})
     return out
+
+
+def dense_transposed(module: nn.Module) -> list[str]:
+    """The state-dict keys whose dense tensor is the transpose of the (``dense_shapes``-shaped) global
+    one, as submodules declare them (``dense_transposed`` attribute: a weight the dense twin stores
+    ``[in, out]``), under the module's state-dict keys."""
+    return sorted(f"{prefix}.{k}" if prefix else k for prefix, sub in module.named_modules()
+                  for k in getattr(sub, "dense_transposed", ()))
 
 
 def dense_root(module: nn.Module) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from . import manifest
 from .files import DCP_METADATA, FORMAT, LAYOUT_FILE, META_FILE, MODEL_KEY, RNG_DIR, CheckpointError, optimizer_key, rng_file
 from .publish import publish, remove, staging_path
 from .rng import rng_state
-from .saved_model import check_fits, dense_root, dense_shapes
+from .saved_model import check_fits, dense_root, dense_shapes, dense_transposed
 from .untrusted import SafePlanner, SafeReader, load_weights_only, read_dcp_metadata
 from .views import global_shapes, model_state, sharded_view
 
@@ -43,7 +43,8 @@ def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None
     if rank:
         return
     layout = {"format": FORMAT, "grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size,
-              "world_size": dist.get_world_size(), "dense_shapes": dense_shapes(module), "dense_root": dense_root(module)}
+              "world_size": dist.get_world_size(), "dense_shapes": dense_shapes(module),
+              "dense_transposed": dense_transposed(module), "dense_root": dense_root(module)}
     manifest.write_durably(staging / LAYOUT_FILE, json.dumps(layout, indent=1, default=str).encode())
     if meta is not None:
         buffer = io.BytesIO()

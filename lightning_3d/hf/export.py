@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel import Linear, Plan, dense_state_dict, find_plan
+from ..parallel import dense_state_dict
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
@@ -26,25 +26,26 @@ def _tied_copies(model: nn.Module) -> set[str]:
     return later
 
 
-def hf_state_dict(model: nn.Module, plan: Plan | None = None) -> dict[str, torch.Tensor]:
-    """The full state dict of a parallelized ``transformers`` model as the unparallelized model holds it.
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict of a parallelized ``transformers`` model as the unparallelized model holds it
+    (keys, shapes, layouts: ``Conv1D`` weights ``[in, out]``; vocabulary padding dropped).
 
-    :func:`lightning_3d.dense_state_dict` with the weights of the plan's ``Linear(transposed=True)``
-    modules (``Conv1D``) back in ``[in, out]``; ``plan`` defaults to the model's built-in plan.
-    Collective over the cube; every cube rank gets the tensors.
+    That is :func:`lightning_3d.dense_state_dict`, for every model: each 3-D layer records the
+    layout of its dense twin. Collective over the cube; every cube rank gets the tensors.
     """
-    return as_stored(model, dense_state_dict(model), plan if plan is not None else find_plan(model))
+    return dense_state_dict(model)
 
 
-def as_stored(model: nn.Module, state_dict: dict[str, torch.Tensor], plan: Plan) -> dict[str, torch.Tensor]:
-    """A dense state dict (``nn.Linear`` layouts) with the weights of ``plan``'s transposed linears back in ``[in, out]``."""
-    for name, _ in model.named_modules():
-        rule = plan.rule_for(name)
-        if isinstance(rule, Linear) and rule.transposed:
-            state_dict[f"{name}.weight"] = state_dict[f"{name}.weight"].t()
-    return state_dict
-
-
+def _check_shapes(model: nn.Module, state_dict: dict[str, torch.Tensor], source: object) -> None:
+    """Refuse tensors whose shapes are not ``model``'s own, naming the first few."""
+    own = model.state_dict()
+    differ = [f"{k} {list(t.shape)} (the model's: {list(own[k].shape)})" for k, t in state_dict.items()
+              if k in own and t.shape != own[k].shape]
+    if differ:
+        raise ValueError(f"{source} holds tensors of other shapes than {type(model).__name__}'s: {', '.join(differ[:4])}"
+                         f"{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}; a checkpoint written before "
+                         "layouts were recorded (no 'dense_transposed' in its layout.json) holds Conv1D weights "
+                         "[out, in]: load it onto a grid and save_pretrained from there")
 def write_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor], path: str | os.PathLike,
                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
     """Write ``model``'s config (and generation config), and ``state_dict`` as safetensors shards, to ``path``.
@@ -68,18 +69,17 @@ def write_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor], path
     save_torch_state_dict(state_dict, path, max_shard_size=max_shard_size, metadata={"format": "pt"})
 
 
-def save_pretrained(model: nn.Module, path: str | os.PathLike, *, plan: Plan | None = None,
-                    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
     """Save a parallelized ``transformers`` model as a folder that ``AutoModelForCausalLM.from_pretrained`` loads.
 
-    Collective: call it on every rank. Each cube assembles the full tensors under the original
-    model's keys (:func:`hf_state_dict`: the vocabulary padding dropped, ``Conv1D`` weights back in
-    ``[in, out]``; ``plan``: the one the model was parallelized with, by default its built-in
-    plan); global rank 0 writes ``config.json``, ``generation_config.json``
-    and ``model.safetensors`` (sharded above ``max_shard_size``, with its index), a tied LM head
-    under its embedding's key only. Every rank returns once the folder is complete.
+    Collective: call it on every rank. Each cube assembles the full tensors as the original model
+    holds them (:func:`lightning_3d.dense_state_dict`: original keys and layouts, ``Conv1D`` weights
+    ``[in, out]``, the vocabulary padding dropped); global rank 0 writes ``config.json``,
+    ``generation_config.json`` and ``model.safetensors`` (sharded above ``max_shard_size``, with
+    its index), a tied LM head under its embedding's key only. Every rank returns once the folder
+    is complete.
     """
-    state_dict = hf_state_dict(model, plan)
+    state_dict = dense_state_dict(model)
     if not dist.is_initialized() or dist.get_rank() == 0:
         write_pretrained(model, state_dict, path, max_shard_size)
     if dist.is_initialized():
@@ -91,13 +91,14 @@ def checkpoint_to_pretrained(checkpoint: str | os.PathLike, path: str | os.PathL
     """A sharded checkpoint of a parallelized ``transformers`` model, saved on any grid, as a ``from_pretrained`` folder.
 
     One process, no process group. The checkpoint's dense tensors
-    (:func:`lightning_3d.checkpoint.to_dense`; ``prefix`` as there, by default the recorded
-    model's, e.g. ``"model."`` for a LightningModule's ``self.model``) are written as
-    :func:`save_pretrained` writes them, for the recorded ``transformers`` class and config (built
-    on ``meta``; its built-in plan says which weights are stored ``[in, out]``).
+    (:func:`lightning_3d.checkpoint.to_dense`, in the original layouts; ``prefix`` as there, by
+    default the recorded model's, e.g. ``"model."`` for a LightningModule's ``self.model``) are
+    written as :func:`save_pretrained` writes them, for the recorded ``transformers`` class and
+    config (built on ``meta``).
 
     Raises:
-        ValueError: the checkpoint records no ``transformers`` config for that prefix.
+        ValueError: the checkpoint records no ``transformers`` config for that prefix, or holds
+            tensors whose shapes are not that model's.
     """
     import transformers
 
@@ -117,4 +118,6 @@ def checkpoint_to_pretrained(checkpoint: str | os.PathLike, path: str | os.PathL
               for k, v in info["config"].items()}
     with torch.device("meta"):
         model = model_class(config_class.from_dict(config))
-    write_pretrained(model, as_stored(model, to_dense(checkpoint, prefix), find_plan(model)), path, max_shard_size)
+    state_dict = to_dense(checkpoint, prefix)
+    _check_shapes(model, state_dict, checkpoint)
+    write_pretrained(model, state_dict, path, max_shard_size)

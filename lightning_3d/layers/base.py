@@ -3,7 +3,11 @@
 A module whose global tensors are not the dense ones (a padded vocabulary, packed projections
 viewed as ``[groups, out, in]``) declares ``dense_shapes = {name: dense shape}``: the dense tensor
 is the leading elements of the global one in row-major order, so padding is zeros appended to the
-rows and grouping is a reshape (:func:`dense_to_global`, :func:`~lightning_3d.checkpoint.global_to_dense`).
+rows and grouping is a reshape. A weight its dense twin stores transposed (``[in, out]``, as
+Hugging Face's ``Conv1D``) is named in ``dense_transposed``: the dense tensor is the transpose of
+that. :func:`dense_to_global` and :func:`~lightning_3d.checkpoint.global_to_dense` are the two
+directions; dense state dicts, loads, ``parallelize`` and checkpoint export all go through them,
+so a dense state dict is exactly what the dense twin's ``state_dict()`` holds.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
-from ..checkpoint import dense_shapes, global_to_dense
+from ..checkpoint import dense_shapes, dense_transposed, global_to_dense
 from ..grid import Grid, resolve_grid
 from ..options import RuntimeOptions, resolve_options
 from ..sharding import ShardSpec, get_spec, set_spec, shard_tensor, unshard_tensor
@@ -40,9 +44,10 @@ def init_sharded_(param: torch.Tensor, grid: Grid, init: Callable[[torch.Tensor]
     param.copy_(shard_tensor(full, get_spec(param), grid))
 
 
-def dense_to_global(dense: torch.Tensor, global_shape: tuple[int, ...]) -> torch.Tensor:
-    """The global tensor whose leading elements are ``dense`` (row-major), zeros after them."""
-    flat = dense.reshape(-1)
+def dense_to_global(dense: torch.Tensor, global_shape: tuple[int, ...], transposed: bool = False) -> torch.Tensor:
+    """The global tensor whose leading elements are ``dense`` (row-major; first transposed where
+    ``transposed``: a 2-D weight stored ``[in, out]``), zeros after them."""
+    flat = (dense.t() if transposed else dense).reshape(-1)
     pad = math.prod(global_shape) - flat.numel()
     if pad < 0:
         raise ValueError(f"a dense tensor of shape {list(dense.shape)} does not fit the global shape {list(global_shape)}")
@@ -51,11 +56,13 @@ def dense_to_global(dense: torch.Tensor, global_shape: tuple[int, ...]) -> torch
 
 @torch.no_grad()
 def dense_state_dict(module: nn.Module, grid: Grid) -> dict[str, torch.Tensor]:
-    """Full dense tensors under the module's own keys, on every cube rank (collective over the cube).
+    """Full dense tensors under the module's own keys, on every cube rank (collective over the cube):
+    the dense twin's ``state_dict()``, its shapes and layouts.
 
-    Padding is dropped and grouped tensors flattened as the modules' ``dense_shapes`` declare.
+    Padding is dropped, grouped tensors flattened and weights stored ``[in, out]`` transposed, as the
+    modules' ``dense_shapes`` and ``dense_transposed`` declare.
     """
-    out, done, shapes = {}, {}, dense_shapes(module)
+    out, done, shapes, transposed = {}, {}, dense_shapes(module), set(dense_transposed(module))
     for key, t in module.state_dict(keep_vars=True).items():
         spec = get_spec(t)
         if spec is None:
@@ -63,29 +70,32 @@ def dense_state_dict(module: nn.Module, grid: Grid) -> dict[str, torch.Tensor]:
             continue
         if id(t) not in done:
             done[id(t)] = unshard_tensor(t.detach(), spec, grid)
-        out[key] = global_to_dense(done[id(t)], shapes[key]) if key in shapes else done[id(t)]
+        out[key] = global_to_dense(done[id(t)], shapes.get(key), key in transposed)
     return out
 
 
 @torch.no_grad()
 def load_dense_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], grid: Grid, strict: bool = True) -> None:
-    """Copy each rank's shard out of full dense tensors keyed as :func:`dense_state_dict` returns them."""
+    """Copy each rank's shard out of full dense tensors keyed and laid out as :func:`dense_state_dict`
+    returns them (the dense twin's ``state_dict()``)."""
     own = module.state_dict(keep_vars=True)
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
     if strict and (missing or unexpected):
         raise KeyError(f"dense state dict does not match the module: missing {missing}, unexpected {unexpected}")
-    shapes = dense_shapes(module)
+    shapes, transposed = dense_shapes(module), set(dense_transposed(module))
     for key, t in own.items():
         if key not in state_dict:
             continue
         full = state_dict[key]
         spec = get_spec(t)
         shape = tuple(shapes[key]) if key in shapes else spec.global_shape if spec is not None else tuple(t.shape)
+        shape = shape[::-1] if key in transposed else shape
         if tuple(full.shape) != shape:
-            raise ValueError(f"{key}: the dense state dict holds shape {list(full.shape)}, the module expects {list(shape)}")
+            raise ValueError(f"{key}: the dense state dict holds shape {list(full.shape)}, the module expects {list(shape)}"
+                             + (" (the dense twin's [in, out] layout)" if key in transposed else ""))
         if spec is not None:
-            full = shard_tensor(dense_to_global(full.to(t.device), spec.global_shape), spec, grid)
+            full = shard_tensor(dense_to_global(full.to(t.device), spec.global_shape, key in transposed), spec, grid)
         t.copy_(full)
 
 
@@ -93,6 +103,10 @@ class Module3D(nn.Module):
     """Base of the 3-D layers: holds the grid and the :class:`~lightning_3d.options.RuntimeOptions`
     it runs with (shared by every layer ``parallelize`` builds), and exchanges weights as dense
     state dicts."""
+
+    #: Names of this layer's parameters that its dense twin stores transposed (``[in, out]``, as
+    #: Hugging Face's ``Conv1D``): dense state dicts, loads and exports hold them so.
+    dense_transposed: tuple[str, ...] = ()
 
     #: Whether ``torch.compile`` traces the forward on a cube of several ranks: true where the layer
     #: communicates only through custom ops (the 3-D products, norm statistics, replicated

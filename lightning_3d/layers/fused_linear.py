@@ -10,7 +10,9 @@ the dense weight viewed as ``[groups, out, in]`` and only ``out`` is cut:
 - bias ``ShardSpec((groups, out), ((), (r,)))``: local ``[groups, out/pr]``, replicated over x and f.
 
 The dense weight is the row-major flattening of the global tensor (``reshape(groups·out, in)``), so
-dense export, load and resharding all follow from the spec with no permutation.
+dense export, load and resharding all follow from the spec with no permutation. A dense twin that
+stores the packed weight ``[in, groups·out]`` (Hugging Face's ``Conv1D``: GPT-2's ``c_attn``) is
+built with ``transposed=True``: its dense tensor is that flattening transposed.
 """
 
 from __future__ import annotations
@@ -39,15 +41,18 @@ class FusedLinear3D(Module3D):
     ``[b/(px·pf), ..., groups·out/pr]`` in the other layout whose ``chunk(groups, -1)`` gives, for
     each group, its output block ``j`` (``out`` cut by ``pr``): exactly what ``Linear3D(in, out)``
     would give for that group, as the dense twin's output chunks into the groups' full outputs.
+
+    ``transposed``: the dense twin stores the weight ``[in, groups·out]`` (as :class:`Linear3D`'s).
     """
 
     traceable = True
 
     def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True,
                  input_layout: str | Layout = "z", grid: Grid | None = None, device=None, dtype=None,
-                 options: RuntimeOptions | None = None):
+                 options: RuntimeOptions | None = None, transposed: bool = False):
         super().__init__(grid, options)
         self.in_features, self.out_features, self.groups = in_features, out_features, groups
+        self.dense_transposed = ("weight",) if transposed else ()
         self.input_layout = as_layout(input_layout)
         self.output_layout = self.input_layout.other
         what = f"FusedLinear3D({in_features}, {groups}×{out_features}, input_layout={self.input_layout})"
@@ -66,7 +71,7 @@ class FusedLinear3D(Module3D):
 
     @property
     def dense_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shapes of the dense twin ``nn.Linear(in, groups·out)``'s tensors."""
+        """Shapes of the dense twin ``nn.Linear(in, groups·out)``'s tensors (before ``dense_transposed``)."""
         shapes = {"weight": (self.groups * self.out_features, self.in_features)}
         if self.bias is not None:
             shapes["bias"] = (self.groups * self.out_features,)
@@ -126,4 +131,5 @@ class FusedLinear3D(Module3D):
 
     def extra_repr(self) -> str:
         return self._describe(in_features=self.in_features, out_features=self.out_features, groups=self.groups,
-                              layout=f"{self.input_layout}→{self.output_layout}")
+                              layout=f"{self.input_layout}→{self.output_layout}",
+                              **({"dense": "[in, groups·out]"} if self.dense_transposed else {}))

@@ -38,6 +38,8 @@ class Linear3D(Module3D):
         grid: defaults to the current grid.
         options: the run-time choices (``save_gathered``, ``async_tp``); default
             :class:`~lightning_3d.options.RuntimeOptions`.
+        transposed: the dense twin stores the weight ``[in, out]`` (Hugging Face's ``Conv1D``):
+            dense state dicts, loads and exports hold it so. The 3-D weight is ``[out, in]`` either way.
     """
 
     traceable = True
@@ -52,9 +54,11 @@ class Linear3D(Module3D):
         device=None,
         dtype=None,
         options: RuntimeOptions | None = None,
+        transposed: bool = False,
     ):
         super().__init__(grid, options)
         self.in_features, self.out_features = in_features, out_features
+        self.dense_transposed = ("weight",) if transposed else ()
         self.input_layout = as_layout(input_layout)
         self.output_layout = self.input_layout.other
         what = f"Linear3D({in_features}, {out_features}, input_layout={self.input_layout})"
@@ -82,4 +86,5 @@ class Linear3D(Module3D):
 
     def extra_repr(self) -> str:
         layouts = f"{self.input_layout}→{self.output_layout}"
-        return self._describe(in_features=self.in_features, out_features=self.out_features, layout=layouts)
+        return self._describe(in_features=self.in_features, out_features=self.out_features, layout=layouts,
+                              **({"dense": "[in, out]"} if self.dense_transposed else {}))

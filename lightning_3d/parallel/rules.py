@@ -58,8 +58,9 @@ class Rule(ABC):
         """
 
     def dense_tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """For each parameter of the built module, the dense tensor of ``module`` it holds (in the
-        built module's dense shape: ``dense_shapes`` where declared, else its global shape)."""
+        """For each parameter of the built module, the dense tensor of ``module`` it holds, as
+        ``module`` stores it: the built module's dense state dict entry (its ``dense_shapes`` where
+        declared, else its global shape; transposed where it declares ``dense_transposed``)."""
         return {n: p for n, p in module.named_parameters(recurse=False)}
 
 
@@ -81,7 +82,8 @@ class Linear(Rule):
         groups: ``G > 1`` for ``G`` projections packed in one weight ``[G·out, in]`` whose output
             the model splits with ``chunk(G, -1)`` (q/k/v: 3; gate/up: 2). Every rank then holds
             the same block of each group, and the output still chunks into the groups.
-        transposed: the weight is stored ``[in, out]`` (Hugging Face's ``Conv1D``).
+        transposed: the weight is stored ``[in, out]`` (Hugging Face's ``Conv1D``). The built layer
+            records it (``dense_transposed``), so dense state dicts, loads and exports keep that layout.
     """
 
     input_layout: str = "z"
@@ -96,19 +98,14 @@ class Linear(Rule):
     def build(self, name, module, grid, options):
         in_features, out_features = _linear_sizes(name, module, self.transposed)
         bias = getattr(module, "bias", None) is not None
-        common = dict(bias=bias, input_layout=self.input_layout, grid=grid, device=META, dtype=_dtype(module), options=options)
+        common = dict(bias=bias, input_layout=self.input_layout, grid=grid, device=META, dtype=_dtype(module), options=options,
+                      transposed=self.transposed)
         if self.groups == 1:
             return Linear3D(in_features, out_features, **common)
         if out_features % self.groups:
             _refuse(name, module, f"{out_features} output features do not split into groups={self.groups}",
                     "use the number of projections packed in the weight")
         return FusedLinear3D(in_features, out_features // self.groups, self.groups, **common)
-
-    def dense_tensors(self, module):
-        tensors = super().dense_tensors(module)
-        if self.transposed:
-            tensors["weight"] = tensors["weight"].t()
-        return tensors
 
 
 @dataclass(frozen=True)
