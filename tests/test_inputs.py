@@ -77,15 +77,17 @@ def _flag_reads_after_products(forward) -> bool:
 
 def test_deferred_checks_raise_at_exit_and_nest():
     ids = torch.tensor([[1, 2], [3, 9]])
+    after_inner = None
     with pytest.raises(ValueError, match=r"outer: token id 9 at index \(1, 1\) of \[2, 2\] is outside \[0, 8\)"):
-        with token_ids.DeferredTokenChecks():
+        with token_ids.DeferredTokenChecks() as outer:
             token_ids.check_token_range(ids, 8, "outer", "token id")
             with pytest.raises(ValueError, match="inner: target -5"):
                 with token_ids.DeferredTokenChecks():
                     token_ids.check_token_range(torch.tensor([-5, 1]), 8, "inner", "target", ignore_index=-100)
                     token_ids.check_token_range(ids, 10, "inner", "token id")  # in range: no error
-            passed = True  # the outer check, started before, has not raised yet
-    assert passed and not token_ids._open()
+            after_inner = (token_ids._open() == [outer], [c.who for c in outer.checks])
+    # the outer check was started first, outlived the inner context unread, and raised at the outer exit
+    assert after_inner == (True, ["outer"]) and not token_ids._open(), after_inner
     with pytest.raises(ValueError, match="now: token id 9"):  # outside any context: at once
         token_ids.check_token_range(ids, 8, "now", "token id")
     errors = []
@@ -136,16 +138,19 @@ def test_ranks_that_disagree_on_the_grid_all_raise(kind, expected):
 
 
 def different_batches_job():
-    """Rank 0 of a 2×2×1 cube is given a batch of 8 (or other ids), the others a batch of 4."""
+    """Rank 0 of a 2×2×1 cube is given a batch of 8 (or other ids, or the same ids in another order), the others a batch of 4."""
     grid = init_grid((2, 2, 1))  # fresh: each entry point checks on its first call on a grid
     rank = dist.get_rank()
     torch.manual_seed(5)
     b = 8 if rank == 0 else 4
     ids = torch.randint(0, 16, (b, 3))
     other_ids = torch.full((4, 3), 1 if rank == 0 else 2)  # the same shape, another batch
+    same_ids = torch.arange(12).reshape(4, 3)
+    permuted_ids = same_ids.flip(0) if rank == 0 else same_ids  # the same ids, rows in another order
     cases = {
         "embedding": lambda: VocabParallelEmbedding3D(16, 8, grid=grid)(ids),
         "embedding_ids": lambda: VocabParallelEmbedding3D(16, 8, grid=grid)(other_ids),
+        "embedding_order": lambda: VocabParallelEmbedding3D(16, 8, grid=grid)(permuted_ids),
         "split": lambda: split_activation(torch.randn(b, 3, 8), "z", grid),
         "gather": lambda: gather_activation(torch.randn(b // 4, 3, 8), "z", grid),
         "linear": lambda: Linear3D(8, 8, grid=grid)(torch.randn(b // 4, 3, 8)),
@@ -169,7 +174,8 @@ def test_cube_ranks_given_different_batches_or_options_all_raise():
             assert "the ranks disagree on" in msg and "every rank of a cube must be given the same batch" in msg, (rank, name, msg)
             assert seconds < 10, (name, seconds)
         assert "ids shape = (8, 3) on rank 0, (4, 3) on ranks 1-3" in r["embedding"][0], r["embedding"]
-        assert "ids checksum = " in r["embedding_ids"][0] and "shape" not in r["embedding_ids"][0].split("disagree on")[1], r
+        for ids in ("embedding_ids", "embedding_order"):
+            assert "ids checksum = " in r[ids][0] and "shape" not in r[ids][0].split("disagree on")[1], r
         assert "split_activation input: the ranks disagree on full shape = (8, 3, 8) on rank 0" in r["split"][0]
         assert "Linear3D input: the ranks disagree on input shape = (2, 3, 8) on rank 0, (1, 3, 8) on ranks 1-3" in r["linear"][0]
         assert "targets shape = (8, 3) on rank 0" in r["loss"][0] and "GPT3D input" in r["gpt"][0]

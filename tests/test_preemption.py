@@ -2,13 +2,17 @@
 
 Real processes launched by Lightning (2 ranks, gloo, collective timeout 60 s); the driver is
 ``lightning_scripts/preempt.py``. Without the agreed stop, the signalled rank would leave alone and
-the others would wait in their next collective until the timeout.
+the others would wait in their next collective until the timeout. The vote itself runs in the
+harness's world of 2: a signal to either rank, rank 0 included, stops both; no signal stops none.
 """
 
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import harness
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
 
@@ -66,4 +70,26 @@ def test_a_second_signal_or_a_stalled_stop_exits_at_once():
 def test_preempted_is_a_clean_exit_with_the_signal_status():
     stop = Preempted(signal.SIGINT, "why")
     assert isinstance(stop, SystemExit) and stop.code == 130 and str(stop) == "why"
-    assert PreemptionWatch(rank=0).signum == 0
+
+
+def vote_job(signalled: int | None) -> list:
+    """What three votes of a :class:`PreemptionWatch` returned on this rank, ``signalled`` (a rank, or None) sent
+    SIGTERM after the first: a vote returns what the vote started a step earlier found."""
+    rank = dist.get_rank()
+    watch = PreemptionWatch(rank)
+    watch.take_signals()  # the vote on the default group: install() would make a group of its own
+    try:
+        votes = [watch.agreed()]
+        if rank == signalled:
+            signal.raise_signal(signal.SIGTERM)
+        votes += [watch.agreed(), watch.agreed()]
+        watch.finish()
+    finally:
+        watch.uninstall()
+    return votes
+
+
+def test_a_signal_to_any_rank_stops_every_rank_and_none_stops_none():
+    for signalled in (None, 0, 1):
+        stop = None if signalled is None else (int(signal.SIGTERM), signalled)
+        assert harness.run(2, vote_job, signalled, timeout=60) == [[None, None, stop]] * 2, signalled

@@ -24,22 +24,24 @@ from lightning_3d.strategy.precision import agreed_scaler
 from lightning_3d.strategy.zero import partition
 
 
-def _model_with_grads(grid):
+def _model_with_grads(grid, dtype=torch.float32):
     """3-D layers of every kind plus a plain (replicated) parameter; returns (params, full gradients)."""
-    layers = nn.ModuleList([VocabParallelEmbedding3D(16, 8, grid=grid), LayerNorm3D(8, grid=grid),
-                            Linear3D(8, 12, grid=grid), Linear3D(12, 8, input_layout="y", grid=grid)])
-    params = [*layers.parameters(), nn.Parameter(torch.zeros(3))]
+    layers = nn.ModuleList([VocabParallelEmbedding3D(16, 8, grid=grid, dtype=dtype), LayerNorm3D(8, grid=grid, dtype=dtype),
+                            Linear3D(8, 12, grid=grid, dtype=dtype), Linear3D(12, 8, input_layout="y", grid=grid, dtype=dtype)])
+    params = [*layers.parameters(), nn.Parameter(torch.zeros(3, dtype=dtype))]
     torch.manual_seed(3)
-    full = [torch.randn(get_spec(p).global_shape if get_spec(p) else p.shape) * (i + 1) for i, p in enumerate(params)]
+    full = [torch.randn(get_spec(p).global_shape if get_spec(p) else p.shape, dtype=dtype) * (i + 1) for i, p in enumerate(params)]
     for p, g in zip(params, full):
         p.grad = g[get_spec(p).local_slices(grid)].clone() if get_spec(p) else g.clone()
     return params, full
 
 
-def norm_job(shape, dp):
+def norm_job(shape, dp, dtype=torch.float32):
+    """Each global norm (and the clipped gradients) against the dense reference's, in ``dtype``: ratios, and
+    differences that must be 0."""
     grid = harness.grid(shape, dp)
-    params, full = _model_with_grads(grid)
-    out = {}
+    params, full = _model_with_grads(grid, dtype)
+    out = {"norm_dtype_differs": float(grad_norm(params, grid).dtype != dtype)}
     for p in (1.0, 2.0, 3.0, math.inf):
         ref = torch.linalg.vector_norm(torch.cat([g.flatten() for g in full]), p)
         out[f"norm{p}"] = float(grad_norm(params, grid, p)) / float(ref)
@@ -64,11 +66,25 @@ def norm_job(shape, dp):
     return out
 
 
+def _off(result: dict, tol: float) -> dict:
+    """The entries of a :func:`norm_job` result off by more than ``tol`` (differences from 0, ratios from 1)."""
+    zero = ("clipped", "unclipped_below_limit", "norm_dtype_differs")
+    return {k: v for k, v in result.items() if not (abs(v) if k in zero else abs(v - 1)) <= tol}
+
+
 @pytest.mark.parametrize("shape, dp", [((2, 2, 2), 1), ((2, 2, 1), 2), ((1, 2, 2), 2)])
 def test_global_norm_counts_each_shard_once(shape, dp):
     for rank, r in enumerate(harness.run(8, norm_job, shape, dp)):
-        bad = {k: v for k, v in r.items() if (v > 1e-6 if k in ("clipped", "unclipped_below_limit") else abs(v - 1) > 1e-6)}
+        bad = _off(r, 1e-6)
         assert not bad, f"rank {rank} on {shape} dp {dp}: {bad}"
+
+
+def test_float64_norm_and_clipping_are_float64_exact():
+    """float64 gradients: the norm is accumulated and returned in float64 (float32 would be ~1e-8 off) and clips
+    exactly as torch's clip_grad_norm_ of the dense gradients does."""
+    for rank, r in enumerate(harness.run(4, norm_job, (2, 1, 1), 2, torch.float64)):
+        bad = _off(r, 1e-12)
+        assert not bad, f"rank {rank}: {bad}"
 
 
 def overflow_job(agreed: bool):
