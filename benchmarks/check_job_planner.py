@@ -22,7 +22,7 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_3d import planner  # noqa: E402
+from lightning_3d import cost as planner  # noqa: E402
 
 P2P_OFF_LATENCY_US = 50.0  # with an assumed bus bandwidth: small collectives through host memory
 

@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from lightning_3d import machine
-from lightning_3d.machine import copy_gbps, matmul_tflops  # noqa: F401 (the benchmarks' device rates)
+from lightning_3d.cost import machine
+from lightning_3d.cost.machine import matmul_tflops  # noqa: F401 (the benchmarks' device rate)
 
 
 class Timer:
@@ -45,12 +45,6 @@ class Timer:
 
 def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
     return machine.slowest(values, device)
-
-
-def collective_rates(device: torch.device, group_size: int, sizes: tuple[int, int], iters: int, small: int, burst: int = 20) -> dict:
-    """:func:`lightning_3d.machine.collective_rates` in groups of ``group_size`` consecutive ranks, all groups at once."""
-    group, _ = dist.new_subgroups(group_size)
-    return machine.collective_rates(device, group, group_size, sizes, iters, small, burst)
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

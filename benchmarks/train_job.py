@@ -84,13 +84,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import comm_bytes  # noqa: E402
 import measure  # noqa: E402
 import peers_job  # noqa: E402
 import lightning_3d  # noqa: E402
 from lightning_3d.grad_norm import clip_grad_norm_  # noqa: E402
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig  # noqa: E402
-from lightning_3d.machine import measure_machine  # noqa: E402
-from lightning_3d.planner import Machine, ModelShape  # noqa: E402
+from lightning_3d.cost import Machine, ModelShape, measure_machine  # noqa: E402
 from lightning_3d.strategy import grid_rules  # noqa: E402
 
 DEFAULTS = lightning_3d.RuntimeOptions()
@@ -379,7 +379,7 @@ def free_memory(run: Run) -> None:
 
 
 def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data, batch: int, seq: int, warmup: int, steps: int,
-             profile: bool = False, host_profile: bool = False) -> dict:
+             profile: bool = False, host_profile: bool = False, count_bytes: bool = False) -> dict:
     free_memory(run)
     cuda = not run.cpu
     base = torch.cuda.memory_allocated(run.device) if cuda else 0
@@ -421,6 +421,13 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
     if host_profile:  # 3 more steps, every rank profiled alike; rank 0's Python is reported
         ids, targets = (t[job.rows] for t in data[0])
         python_top = measure.host_profile(lambda: job.step(ids, targets), 3)
+    sent = None
+    if count_bytes:  # one more step, its collectives counted (every rank's)
+        ids, targets = (t[job.rows] for t in data[0])
+        with comm_bytes.SentBytes() as counter:
+            job.step(ids, targets)
+        sent = [None] * run.world
+        dist.all_gather_object(sent, counter.summary())
     gc.enable()
     peak = (torch.cuda.max_memory_allocated(run.device) - base) / 2**30 if cuda else 0.0
     loss_t = torch.stack(losses).to(run.device)
@@ -438,6 +445,8 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
         result["profile_rank0_2_steps"] = timeline
     if host_profile:
         result["host_python_rank0"] = python_top
+    if sent is not None:
+        result["sent_bytes_by_rank"] = sent
     return result
 
 

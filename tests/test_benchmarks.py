@@ -14,30 +14,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_gpt_smoke_on_cpu(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "benchmarks", "bench_gpt.py"), "--cpu", "--out", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    with open(tmp_path / "bench_w2.json") as f:
-        data = json.load(f)
-    checks = data["checks"]
-    assert {tuple(c["grid"]) + (c["dp"],) for c in checks} == {(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}
-    assert all(c["ok"] and 0 < c["max_rel_err"] < 1e-4 for c in checks), checks
-    assert sum("[async-tp]" in c["case"] for c in checks) == 4
-    (block,) = data["results"].values()
-    cases = block["cases"]
-    kinds = {c["kind"] for c in cases}
-    assert kinds == {"dense", "tp1d", "3d"}
-    assert {c["variant"] for c in cases} >= {"", "no-prefetch", "regather", "split-qkv", "normal-priority", "async-tp"}
-    for c in cases:
-        assert c["step_ms"] > 0 and c["fwd_ms"] > 0 and c["bwd_ms"] > 0, c
-        # float32 on the same weights: every model computes the dense model's function
-        assert c["out_rel_err_vs_dense"] < 1e-5 and c["loss_rel_diff_vs_dense"] < 1e-5, c
-    assert "| 3d 2x1x1 |" in proc.stdout and "Strong scaling" in proc.stdout
-
-
 def _launch(tmp_path, world: int, model: str, cases: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
            os.path.join(ROOT, "benchmarks", "train_job.py"), "--cpu", "--model", model, "--cases", cases, "--out", str(tmp_path), *extra]
@@ -160,26 +136,6 @@ def test_train_job_cases_parse_and_refuse_bad_input():
     assert train_job.profiled_labels("--profile", "fsdp2 compile bf16grad noreshard;", methods, 4) == {"fsdp2 compile noreshard bf16grad"}
     with pytest.raises(SystemExit, match=re.escape("--host-profile names ['3d 2x2x1'], not among the cases")):
         train_job.profiled_labels("--host-profile", "3d 4x1x1 compile;3d 2x2x1", methods, 4)
-
-
-def test_extrapolation_prices_fsdp_as_the_best_px1x1_grid():
-    """``extrapolate.py``'s FSDP rows use only ``P×1×1`` grids with dp; at 64 and 512 GPUs the model puts
-    a cube-like 3-D grid (P×Q×1) ahead of them."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from dataclasses import replace
-
-    import extrapolate
-    from lightning_3d import planner
-
-    machine = replace(planner.DEFAULT_MACHINE, memory_GiB=140.0)
-    shapes = {64: planner.ModelShape(11264, 88, 2048, 64, 4), 512: planner.ModelShape(12288, 96, 2048, 512, 4)}
-    rows = [line.split(" | ") for line in extrapolate.table("t", shapes, machine).splitlines() if line.startswith("| ")]
-    per_seq = {(r[0][2:], r[1]): (float(r[6]), r[7]) for r in rows if r[0] in ("| FSDP (P×1×1 + dp)", "| 3-D")}
-    for n in ("64", "512"):
-        (fsdp, fsdp_layout), (cube, cube_layout) = per_seq[("FSDP (P×1×1 + dp)", n)], per_seq[("3-D", n)]
-        assert re.fullmatch(r"\d+×1×1( dp\d+)?", fsdp_layout), fsdp_layout
-        assert re.fullmatch(r"\d+×\d+×1( dp\d+)?", cube_layout) and not cube_layout.split("×")[1] == "1", cube_layout
-        assert cube < fsdp, (n, cube, fsdp)
 
 
 def test_largest_model_extrapolates_peak_memory_per_layer(tmp_path):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
 from test_strategy import SCRIPTS, _env
 
 from lightning_3d import Tensor3DStrategy
-from lightning_3d.planner import ModelShape
+from lightning_3d.cost import ModelShape
 from lightning_3d.strategy.failures import ConfigurationError
 
 

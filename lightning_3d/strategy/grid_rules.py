@@ -8,7 +8,7 @@ from typing import Callable
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .. import arguments, planner
+from .. import arguments, cost
 
 HALF_PRECISION_HOOKS = (default_hooks.bf16_compress_hook, default_hooks.fp16_compress_hook)
 
@@ -33,15 +33,15 @@ def check_dp_arg(dp) -> str | int:
 
 
 def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices_per_node: int,
-            model_shape: planner.ModelShape | None = None, async_tp: bool = False,
-            machine: planner.Machine | None = None, half_grads: bool = False,
+            model_shape: cost.ModelShape | None = None, async_tp: bool = False,
+            machine: cost.Machine | None = None, half_grads: bool = False,
             grads_at_end: bool = False) -> tuple[tuple[int, int, int], int]:
     """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
 
     ``grid="auto"`` with dp ``"auto"`` and a ``model_shape`` takes the cost model's fastest grid
-    that fits (:func:`lightning_3d.planner.best_grid`, nodes of ``devices_per_node`` GPUs, links
-    between them priced as such), on ``machine``'s rates (:func:`lightning_3d.machine.measure_machine`;
-    default :data:`~lightning_3d.planner.DEFAULT_MACHINE`; ``half_grads``: the gradient reduction over
+    that fits (:func:`lightning_3d.cost.best_grid`, nodes of ``devices_per_node`` GPUs, links
+    between them priced as such), on ``machine``'s rates (:func:`lightning_3d.cost.measure_machine`;
+    default :data:`~lightning_3d.cost.DEFAULT_MACHINE`; ``half_grads``: the gradient reduction over
     dp runs in half precision, :func:`halves_gradients`; ``grads_at_end``: the weight gradients are
     handed on at the end of backward, ``RuntimeOptions.grads_at_end``); without a shape it factors
     the devices of one node, so that each cube lies inside a node and dp spans the nodes (or
@@ -53,8 +53,8 @@ def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices
     """
     if grid == "auto":
         if dp == "auto" and model_shape is not None:
-            machine = dataclasses.replace(machine or planner.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
-            shape = planner.best_grid(**dataclasses.asdict(model_shape), world=world, machine=machine, async_tp=async_tp,
+            machine = dataclasses.replace(machine or cost.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
+            shape = cost.best_grid(**dataclasses.asdict(model_shape), world=world, machine=machine, async_tp=async_tp,
                                       half_grads=half_grads, grads_at_end=grads_at_end)
             return shape, world // math.prod(shape)
         if dp == "auto":

@@ -1,0 +1,70 @@
+"""The grid search: every feasible 3-D layout of a world priced by :mod:`~lightning_3d.cost.formulas`,
+and the fastest that fits (:func:`best_grid`, what ``grid="auto"`` calls once the model's shape is known)."""
+
+from __future__ import annotations
+
+from .formulas import ModelShape, Prediction, grid_error, predict_3d, predict_job
+from .machine import DEFAULT_MACHINE, Machine
+
+
+def cube_grids(n: int) -> list[tuple[int, int, int]]:
+    """Every ``(px, py, pz)`` with ``px·py·pz == n``."""
+    return [(px, py, n // (px * py)) for px in range(1, n + 1) if n % px == 0
+            for py in range(1, n // px + 1) if (n // px) % py == 0]
+
+
+def candidates(shape: ModelShape, world: int, machine: Machine = None, *, async_tp: bool = False, compiled: bool = False,
+               half_grads: bool = False, grads_at_end: bool = False) -> list[Prediction]:
+    """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest; with
+    ``async_tp`` as collective matmuls, on cubes inside one node only), sorted by predicted step
+    time. With ``shape.vocab`` the grids are priced as whole training steps (:func:`~lightning_3d.cost.formulas.predict_job`,
+    blocks ``compiled`` or not, the gradient reduction over dp in bf16 with ``half_grads``, the
+    weight gradients handed on at the end of backward with ``grads_at_end``), else as block stacks
+    (:func:`~lightning_3d.cost.formulas.predict_3d`)."""
+    m = machine or DEFAULT_MACHINE
+    out = []
+    for cube in (c for c in range(1, world + 1) if world % c == 0):
+        if async_tp and m.gpus_per_node % cube and world > m.gpus_per_node:
+            continue  # collective matmuls need every cube inside one node (its NVLink domain)
+        for grid in cube_grids(cube):
+            if grid_error(shape, grid, world // cube) is None:
+                if shape.vocab is None:
+                    out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp))
+                else:
+                    out.append(predict_job(shape, grid, world // cube, m, async_tp=async_tp, compiled=compiled,
+                                           half_grads=half_grads, grads_at_end=grads_at_end))
+    return sorted(out, key=lambda p: p.step_ms)
+
+
+def fits(p: Prediction, machine: Machine = None) -> bool:
+    return p.memory_GiB <= (machine or DEFAULT_MACHINE).memory_GiB
+
+
+def best_grid(hidden: int, heads: int, seq: int, batch: int, layers: int, world: int,
+              machine: Machine = None, ffn: int | None = None, async_tp: bool = False,
+              kv_heads: int | None = None, gated: bool = False, vocab: int | None = None,
+              compiled: bool = False, half_grads: bool = False, grads_at_end: bool = False) -> tuple[int, int, int]:
+    """The ``(px, py, pz)`` with the lowest predicted step time that fits in memory (dp = world /
+    px·py·pz); the model is the global-batch GPT stack of ``hidden``, ``heads``, ``seq``, ``batch``
+    and ``layers`` (``ffn``, ``kv_heads``, ``gated`` and ``vocab`` as :class:`ModelShape`: with
+    ``vocab``, the whole training step of :func:`~lightning_3d.cost.formulas.predict_job`, its blocks ``compiled`` or not, its
+    gradient reduction over dp in bf16 with ``half_grads``, its weight gradients handed on at the end
+    of backward with ``grads_at_end``), its products collective matmuls with ``async_tp``. This is
+    what ``grid="auto"`` uses when the model's shape is known.
+
+    Raises:
+        ValueError: no grid divides the shape, or none fits in memory.
+    """
+    m = machine or DEFAULT_MACHINE
+    shape = ModelShape(hidden, heads, seq, batch, layers, ffn, kv_heads, gated, vocab)
+    options = candidates(shape, world, m, async_tp=async_tp, compiled=compiled, half_grads=half_grads,
+                         grads_at_end=grads_at_end)
+    if not options:
+        raise ValueError(f"no px·py·pz grid with dp filling {world} ranks divides hidden={hidden}, heads={heads}, batch={batch}; "
+                         f"use a batch that is a multiple of {world} and heads/hidden divisible by the grid")
+    fitting = [p for p in options if fits(p, m)]
+    if not fitting:
+        least = min(options, key=lambda p: p.memory_GiB)
+        raise ValueError(f"no grid fits {m.memory_GiB:.0f} GiB per GPU: the least, {least.label}, needs {least.memory_GiB:.1f} GiB; "
+                         f"use more GPUs, a smaller batch or activation checkpointing")
+    return fitting[0].grid
