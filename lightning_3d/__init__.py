@@ -59,9 +59,9 @@ _register_on_import()
 
 
 def __getattr__(name: str):
-    """``Tensor3DStrategy`` on first use (it imports Lightning)."""
-    if name == "Tensor3DStrategy":
-        from .strategy import Tensor3DStrategy
+    """``Tensor3DStrategy`` (the Trainer's) and ``Tensor3DFabricStrategy`` (Fabric's) on first use (they import Lightning)."""
+    if name in ("Tensor3DStrategy", "Tensor3DFabricStrategy"):
+        from . import strategy
 
-        return Tensor3DStrategy
+        return getattr(strategy, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

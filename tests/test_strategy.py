@@ -8,8 +8,6 @@ tiny GPT3D on the same global batches as ``common.dense_reference``.
 """
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
 
 import common
+import worlds
 from side_by_side import Finished, run_side_by_side
 
 from lightning_3d import checkpoint as ckpt
@@ -28,60 +27,14 @@ from lightning_3d.models import DenseGPT
 from lightning_3d.strategy import grid_rules
 
 SCRIPTS = Path(__file__).parent / "lightning_scripts"
-ROOT = Path(__file__).parent.parent
 TOL = 1e-5
 
 
-def _env(**extra) -> dict:
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+_env = worlds.env  # the drivers' environment, also for test_preemption and test_launch_errors
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
-
-
-def launch(world: int, out: Path, *args: str, timeout: float = 240, tries: int = 3) -> None:
-    """Run ``suite.py *args`` on ``world`` ranks; fail with every rank's log tail on an error or a hang.
-
-    A rendezvous port taken between choosing and binding it (other jobs on the machine) is retried.
-    """
-    for _ in range(tries - 1):
-        try:
-            return _launch_once(world, out, args, timeout)
-        except AssertionError as e:
-            if "EADDRINUSE" not in str(e):
-                raise
-    return _launch_once(world, out, args, timeout)
-
-
-def _launch_once(world: int, out: Path, args: tuple, timeout: float) -> None:
-    port = str(_free_port())
-    procs, logs = [], []
-    for rank in range(world):
-        logs.append(out / f"{args[0]}.log{rank}")
-        env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world), RANK=str(rank),
-                   LOCAL_RANK=str(rank), NODE_RANK="0")
-        with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "suite.py"), *args], env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.5)
-    hung = [r for r, p in enumerate(procs) if p.poll() is None]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        report = "\n".join(f"--- rank {r} ---\n{_tail(logs[r])}" for r in failed)
-        raise AssertionError(f"suite.py {args[0]}: ranks {failed} failed" + (f" (hung past {timeout:.0f}s: {hung})" if hung else "") + f"\n{report}")
+def launch(world: int, out: Path, *args: str) -> None:
+    worlds.launch(SCRIPTS / "suite.py", world, out, *args)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from . import manifest
 from .files import DCP_METADATA, FORMAT, LAYOUT_FILE, META_FILE, MODEL_KEY, RNG_DIR, CheckpointError, optimizer_key, rng_file
 from .publish import publish, remove, staging_path
 from .rng import rng_state
-from .saved_model import check_fits, dense_root, dense_shapes, dense_transposed
+from .saved_model import check_fits, dense_root, dense_row_orders, dense_shapes, dense_transposed
 from .untrusted import SafePlanner, SafeReader, load_weights_only, read_dcp_metadata
 from .views import global_shapes, model_state, sharded_view
 
@@ -44,7 +44,8 @@ def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None
         return
     layout = {"format": FORMAT, "grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size,
               "world_size": dist.get_world_size(), "dense_shapes": dense_shapes(module),
-              "dense_transposed": dense_transposed(module), "dense_root": dense_root(module)}
+              "dense_transposed": dense_transposed(module), "dense_row_orders": dense_row_orders(module),
+              "dense_root": dense_root(module)}
     manifest.write_durably(staging / LAYOUT_FILE, json.dumps(layout, indent=1, default=str).encode())
     if meta is not None:
         buffer = io.BytesIO()
@@ -157,19 +158,37 @@ def saved_shapes(metadata, key: str) -> dict[str, list[int]]:
             if fqn.startswith(head) and isinstance(md, TensorStorageMetadata)}
 
 
+def saved_key(path: str | Path, module: nn.Module) -> Callable[[str], str]:
+    """``module``'s state-dict key → the key checkpoint ``path`` holds it under.
+
+    The same model saved inside a LightningModule (``self.model``: keys ``model.…``) and set up
+    alone in Fabric (keys ``…``) differ by the prefix of their dense root (:func:`dense_root`,
+    recorded in ``layout.json``): keys under the module's root move to the saved root's prefix.
+    """
+    saved = read_layout(path).get("dense_root", {}).get("prefix", "")
+    own = dense_root(module)["prefix"]
+    if saved == own:
+        return lambda key: key
+    return lambda key: saved + key[len(own):] if key.startswith(own) else key
+
+
 def load_model_(module: nn.Module, grid: Grid, path: str | Path, strict: bool = True) -> None:
     """Load the module's state (any grid's checkpoint) in place. Collective over the world.
 
     First every file is checked against the manifest (hashed ``world_size`` ways) and the saved
     model's true shapes against the module's; :class:`CheckpointError` names what differs.
-    ``strict=False`` loads the tensors both have (shapes must still agree).
+    ``strict=False`` loads the tensors both have (shapes must still agree). Keys are matched
+    through :func:`saved_key` (a model saved inside a LightningModule loads into the bare model,
+    and the reverse).
     """
     path = Path(path)
     metadata = verified_metadata(path, collective=True)
     layout = json.loads((path / LAYOUT_FILE).read_text())
+    key = saved_key(path, module)
     check_fits(path, saved_shapes(metadata, MODEL_KEY), layout.get("dense_shapes", {}),
-               global_shapes(module), dense_shapes(module), strict)
-    state = {k: v for k, v in model_state(module, grid).items() if strict or f"{MODEL_KEY}.{k}" in metadata.state_dict_metadata}
+               {key(k): v for k, v in global_shapes(module).items()}, {key(k): v for k, v in dense_shapes(module).items()}, strict)
+    state = {key(k): v for k, v in model_state(module, grid).items()
+             if strict or f"{MODEL_KEY}.{key(k)}" in metadata.state_dict_metadata}
     dcp.load({MODEL_KEY: state}, storage_reader=SafeReader(path), planner=SafePlanner(allow_partial_load=not strict))
 
 

@@ -27,44 +27,27 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import inspect
 import os
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import arguments, planner
 from .. import checkpoint as ckpt
-from ..grid import Grid, init_grid, set_grid
-from ..options import RuntimeOptions
 from ..parallel import set_options
 from ..planner import ModelShape
-from . import grid_rules
-from .failures import ConfigurationError, ReportFailuresOnce, same_on_every_rank
+from .checkpoints import FABRIC_STATE_KEY, load_sharded, save_sharded
+from .failures import ReportFailuresOnce, same_on_every_rank
+from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
 from .precision import on_grid
 from .preemption import StopOnPreemption
 from .replicas import GridReplicas
 from .resume import resume_point, skip_message
 from .summary import SummariseGlobally
-from .zero import ShardedOptimizerState
 
-PARAM_GROUPS_KEY = "tensor3d_param_groups"
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 FITTING = "fit"  # TrainerFn.FITTING, a str enum in both namespaces
-
-_grids: dict[tuple, Grid] = {}
-
-
-def _grid(shape: tuple[int, int, int], dp: int, device_type: str, timeout: datetime.timedelta) -> Grid:
-    """One grid per shape and world group: a second fit/validate in the same processes reuses its groups."""
-    key = (shape, dp, device_type, timeout, id(dist.group.WORLD))
-    if key not in _grids:
-        _grids[key] = init_grid(shape, dp, device_type=device_type, timeout=timeout)
-    return _grids[key]
 
 
 def unwrap(optimizer):
@@ -72,20 +55,7 @@ def unwrap(optimizer):
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-_DDP_SET_BY_STRATEGY = {"self", "module", "device_ids", "output_device", "process_group", "device_mesh"}
-
-
-def _checked_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` if ``DistributedDataParallel`` takes every name and the strategy sets none of them; else ``ValueError``."""
-    accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - _DDP_SET_BY_STRATEGY
-    wrong = sorted(set(kwargs) - accepted)
-    if wrong:
-        raise ValueError(f"Tensor3DStrategy: {wrong} are not DistributedDataParallel arguments the strategy passes on; "
-                         f"accepted: {sorted(accepted)} (device_ids and process_group are the strategy's)")
-    return dict(kwargs)
-
-
-class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, GridReplicas):
+class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, GridStrategy, GridReplicas):
     """3-D tensor parallelism (Bian et al. 2021) on a ``dp × px × py × pz`` grid of processes.
 
     The LightningModule builds its 3-D layers (``Linear3D``, ...) in ``configure_model()``;
@@ -129,10 +99,9 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             numbers that do not multiply to the world size.
     """
 
-    # Set by each namespace's class: its grid-aware precision plugins, summary callbacks and helpers.
+    # Set by each namespace's class: its grid-aware precision plugins, summary callbacks and helpers (info, worker_init_function).
     grid_precisions: ClassVar[dict[type, type]]
-    info: ClassVar[Callable[[str], None]]
-    worker_init_function: ClassVar[Callable[..., None]]
+    lightning_version: ClassVar[str]
 
     def __init__(
         self,
@@ -157,19 +126,8 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
                          process_group_backend=process_group_backend, timeout=arguments.timeout(timeout), start_method="popen")
-        self._grid_arg = grid_rules.check_grid_arg(grid)
-        self._dp_arg = grid_rules.check_dp_arg(data_parallel_size)
-        self._model_shape = model_shape
-        self._machine = machine
-        self.async_tp = arguments.flag(async_tp, "async_tp")
-        if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
-            raise ValueError(f"zero_stage must be 0 or 1 (optimizer state sharded over dp), got {zero_stage!r}")
-        self.zero_stage = zero_stage
-        self.checkpoint_on_preemption = None if checkpoint_on_preemption is None else Path(checkpoint_on_preemption)
-        self.ddp_comm_hook, self.ddp_comm_state = ddp_comm_hook, ddp_comm_state
-        self.ddp_kwargs = _checked_ddp_kwargs(ddp_kwargs)
-        self._grid: Grid | None = None
-        self._zero: dict[int, ShardedOptimizerState] = {}
+        self.take_grid_arguments(grid, data_parallel_size, zero_stage, model_shape, async_tp, machine, checkpoint_on_preemption,
+                                 ddp_comm_hook, ddp_comm_state, ddp_kwargs)
         self._resumed_from: tuple | None = None
 
     # ----- precision: Lightning's plugin, as its grid-aware subclass -----
@@ -191,20 +149,6 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         super().set_world_ranks()
         self._resolve_grid()
 
-    def _resolve_grid(self) -> tuple[tuple[int, int, int], int]:
-        """``(px, py, pz)`` and dp for this world; :class:`ConfigurationError` naming the fix when they cannot be."""
-        with same_on_every_rank():
-            # the model and its options are made in configure_model, after the grid: price the default options
-            shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape,
-                                           self.async_tp, self._machine, grid_rules.halves_gradients(self.ddp_comm_hook),
-                                           RuntimeOptions.grads_at_end)
-        why = None if self._model_shape is None else planner.grid_error(self._model_shape, shape, dp)
-        if why is not None:
-            raise ConfigurationError(f"model_shape={self._model_shape} does not split on the {'×'.join(map(str, shape))} grid "
-                                     f"with data_parallel_size={dp}: {why} != 0; pick a grid whose axes divide it, "
-                                     f"or grid='auto' to let the cost model choose")
-        return shape, dp
-
     @contextlib.contextmanager
     def model_sharded_context(self):
         """``configure_model`` runs alike on every rank: its ``ValueError`` is a :class:`ConfigurationError`."""
@@ -213,22 +157,15 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        shape, dp = self._resolve_grid()
-        self._grid = _grid(shape, dp, self.root_device.type, self._timeout)
-        set_grid(self._grid)
-        self.lightning_module.grid = self._grid
-        self.lightning_module._device_mesh = self._grid.mesh
+        grid = self.start_grid()
+        self.lightning_module.grid = grid
+        self.lightning_module._device_mesh = grid.mesh
         self.summarise_globally(self.lightning_module.trainer)
-        self.precision_plugin.grid = self._grid
-        px, py, pz = shape
-        self.info(f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, async_tp={self.async_tp}"
-                  f", across nodes: {'+'.join(self._grid.axes_across_nodes) or 'nothing'}")
+        self.precision_plugin.grid = grid
 
     def process_dataloader(self, dataloader: object) -> object:
         """Seed dataloader workers by dp rank, so the cube ranks that share a batch draw alike."""
-        if int(os.environ.get("PL_SEED_WORKERS", "0")) and getattr(dataloader, "worker_init_fn", False) is None:
-            dataloader.worker_init_fn = partial(self.worker_init_function, rank=self.grid.coord("dp"))
-        return dataloader
+        return self.seed_workers_by_dp(dataloader)
 
     # ----- model and optimizers -----
 
@@ -253,27 +190,17 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         """DDP over the dp group: it averages gradients over the replicas of each shard only."""
-        return DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), process_group=self.grid.group("dp"),
-                                       **self.ddp_kwargs)
+        return self.ddp_over_dp(model, self.determine_ddp_device_ids())
 
     def configure_ddp(self) -> None:
-        """Wrap the module in DDP over dp and register ``ddp_comm_hook`` (with the dp group as its default state)."""
+        """Wrap the module in DDP over dp, with ``ddp_comm_hook`` registered (the dp group as its default state)."""
         self.model = self._setup_model(self.model)
-        if self.ddp_comm_hook is not None:
-            state = self.ddp_comm_state if self.ddp_comm_state is not None else self.grid.group("dp")
-            self.model.register_comm_hook(state, self.ddp_comm_hook)
 
     def setup_optimizers(self, trainer) -> None:
-        for zero in self._zero.values():
-            zero.remove()
-        self._zero = {}
+        self.unshard_optimizer_states()
         super().setup_optimizers(trainer)
-        if self.zero_stage == 1:
-            self._zero = {id(opt): ShardedOptimizerState(opt, self.grid) for opt in map(unwrap, self.optimizers)}
-
-    def _holds_state(self, optimizer):
-        zero = self._zero.get(id(optimizer))
-        return zero.holds_state if zero is not None else (lambda p: True)
+        for optimizer in map(unwrap, self.optimizers):
+            self.shard_optimizer_state(optimizer)
 
     # ----- checkpoints -----
 
@@ -299,26 +226,27 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         if resume_point(path, checkpoint) == self._resumed_from:
             self.info(skip_message(path))
             return
-        tensors = {ckpt.MODEL_KEY: checkpoint.pop("state_dict")}
-        groups = []
-        for i, state in enumerate(checkpoint.pop("optimizer_states", [])):
-            tensors[ckpt.optimizer_key(i)] = {"state": state["state"]}
-            groups.append(state["param_groups"])
-        ckpt.save(path, tensors, self.grid, self.lightning_module, meta={**checkpoint, PARAM_GROUPS_KEY: groups})
+        state_dict, optimizer_states = checkpoint.pop("state_dict"), checkpoint.pop("optimizer_states", [])
+        save_sharded(path, self.lightning_module, self.grid, state_dict, optimizer_states, checkpoint)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded checkpoint written on any grid and dp size; loop state comes back to Lightning."""
+        """Load a sharded checkpoint written on any grid and dp size; loop state comes back to Lightning.
+
+        A checkpoint Fabric wrote (``Tensor3DFabricStrategy``) gives the model and optimizers; the
+        loops and LR schedulers start afresh (Fabric keeps no Lightning loop state).
+        """
         path = Path(self.broadcast(str(checkpoint_path)))
-        meta = ckpt.load_meta(path, trusted=weights_only is False)
         module = self.lightning_module
-        ckpt.load_model_(module, self.grid, path, strict=module.strict_loading)
-        if module.trainer.state.fn == FITTING:
-            groups = meta.get(PARAM_GROUPS_KEY, [])
-            names = ckpt.parameter_names(module)
-            for i, (optimizer, saved) in enumerate(zip(map(unwrap, self.optimizers), groups)):
-                ckpt.load_optimizer_(optimizer, i, names, self.grid, path, saved, self._holds_state(optimizer))
+        fitting = module.trainer.state.fn == FITTING
+        optimizers = dict(enumerate(map(unwrap, self.optimizers))) if fitting else {}
+        meta = ckpt.load_meta(path, trusted=weights_only is False)
+        load_sharded(path, module, self.grid, optimizers, self.holds_state, meta, strict=module.strict_loading)
+        if fitting:
             # RNG now: the fit loop draws (dataloader seeds) before on_train_start; sanity checks run isolated
             ckpt.set_rng_state(ckpt.load_rng_state(path, self.grid))
+        if FABRIC_STATE_KEY in meta:  # what Lightning reads of a checkpoint, of which Fabric's has none
+            meta.setdefault("lr_schedulers", [])
+            meta.setdefault("pytorch-lightning_version", self.lightning_version)
         self._resumed_from = resume_point(path, meta)
         return meta
 

@@ -1,6 +1,7 @@
 """``Tensor3DStrategy`` for ``lightning.pytorch`` (``import lightning as L``); registered as ``"tensor3d"`` on import."""
 
 from lightning.fabric.utilities.seed import pl_worker_init_function
+from lightning.pytorch import __version__
 from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 from lightning.pytorch.plugins import precision as lp
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -51,6 +52,7 @@ class Tensor3DStrategy(Tensor3DMixin, DDPStrategy):
     summary_callbacks = {ModelSummary: GridModelSummary, RichModelSummary: GridRichModelSummary}
     info = staticmethod(rank_zero_info)
     worker_init_function = staticmethod(pl_worker_init_function)
+    lightning_version = __version__
 
 
 Tensor3DStrategy.register_strategies(StrategyRegistry)

@@ -20,6 +20,7 @@ from ..grad_norm import clip_grad_norm_
 from ..grid import Grid
 
 SUPPORTED = "'32-true', '64-true', '16-true', 'bf16-true', '16-mixed' and 'bf16-mixed'"
+FABRIC_SUPPORTED = "'32-true', '64-true', '16-true', 'bf16-true', 'bf16-mixed', and '16-mixed' on CUDA"
 
 
 class GlobalNormClipping:
@@ -60,6 +61,28 @@ def on_grid(plugin, classes: dict[type, type]):
         raise ValueError(f"the tensor3d strategy supports the precisions {SUPPORTED} (it clips gradients by the global 3-D "
                          f"norm through its own plugins); got the plugin {type(plugin).__qualname__}: pass Trainer(precision=...) instead")
     return cls(**{name: getattr(plugin, name) for name in inspect.signature(cls).parameters})
+
+
+def fabric_precision(plugin, supported: tuple[type, ...]):
+    """``plugin`` (a Fabric precision plugin) if its type is one of ``supported``, its fp16 scaler made :func:`agreed_scaler`'s.
+
+    Fabric's strategy clips by the global norm itself (``clip_gradients_norm``), so Fabric's own
+    plugins serve as they are; ``None`` comes back as it is.
+
+    Raises:
+        ValueError: any other plugin: Transformer Engine's and bitsandbytes' replace the model's
+            ``Linear`` layers, which the 3-D plan replaces itself; FSDP's, DeepSpeed's and XLA's
+            belong to those strategies.
+    """
+    if plugin is None:
+        return plugin
+    if type(plugin) not in supported:
+        raise ValueError(f"the tensor3d Fabric strategy supports the precisions {FABRIC_SUPPORTED}; got the plugin "
+                         f"{type(plugin).__qualname__}, which replaces the model's layers (Transformer Engine, bitsandbytes: the 3-D "
+                         "layers replace them themselves) or belongs to another strategy: pass Fabric(precision=...) with one of those")
+    if getattr(plugin, "scaler", None) is not None:
+        plugin.scaler = agreed_scaler(plugin.scaler, plugin.device)
+    return plugin
 
 
 class AgreedOverflow:

@@ -124,12 +124,14 @@ class PreemptionWatch:
             self._pending = None
 
 
-def stop_message(signum: int, rank: int, step: int, checkpoint: Path | None) -> str:
-    """What rank 0 says when the ranks stop."""
+def stop_message(signum: int, rank: int, at: str, checkpoint: Path | None,
+                 resume: str = "Trainer.fit(..., ckpt_path={path!r})", strategy: str = "Tensor3DStrategy") -> str:
+    """What rank 0 says when the ranks stop ``at`` a step (``"global step 3"``); ``resume`` names the call
+    that resumes from ``{path}``, ``strategy`` the class that takes ``checkpoint_on_preemption``."""
     name = signal.Signals(signum).name
-    saved = (f"saved a checkpoint to {checkpoint}; resume with Trainer.fit(..., ckpt_path={str(checkpoint)!r})"
-             if checkpoint is not None else "no checkpoint was asked for (Tensor3DStrategy(checkpoint_on_preemption=...))")
-    return f"tensor3d: rank {rank} received {name}; every rank stopped at global step {step} and {saved}"
+    saved = (f"saved a checkpoint to {checkpoint}; resume with {resume.format(path=str(checkpoint))}"
+             if checkpoint is not None else f"no checkpoint was asked for ({strategy}(checkpoint_on_preemption=...))")
+    return f"tensor3d: rank {rank} received {name}; every rank stopped at {at} and {saved}"
 
 
 class StopOnPreemption:
@@ -160,7 +162,7 @@ class StopOnPreemption:
         path = self.checkpoint_on_preemption
         if path is not None:
             trainer.save_checkpoint(path)
-        message = stop_message(signum, rank, trainer.global_step, path)
+        message = stop_message(signum, rank, f"global step {trainer.global_step}", path)
         if self.is_global_zero:
             print(message, file=sys.stderr, flush=True)
         raise Preempted(signum, message)

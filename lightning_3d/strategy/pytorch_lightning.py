@@ -1,6 +1,7 @@
 """``Tensor3DStrategy`` for ``pytorch_lightning``; registered as ``"tensor3d"`` on import."""
 
 from lightning_fabric.utilities.seed import pl_worker_init_function
+from pytorch_lightning import __version__
 from pytorch_lightning.callbacks import ModelSummary, RichModelSummary
 from pytorch_lightning.plugins import precision as lp
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
@@ -51,6 +52,7 @@ class Tensor3DStrategy(Tensor3DMixin, DDPStrategy):
     summary_callbacks = {ModelSummary: GridModelSummary, RichModelSummary: GridRichModelSummary}
     info = staticmethod(rank_zero_info)
     worker_init_function = staticmethod(pl_worker_init_function)
+    lightning_version = __version__
 
 
 Tensor3DStrategy.register_strategies(StrategyRegistry)

@@ -1,8 +1,11 @@
-"""What both 3-D strategies share: the grid, and data, reductions and gathers over dp.
+"""The grid and its dp group in the strategies: data, and the Trainer's reductions and gathers over dp.
 
 Every rank of a cube holds one model replica's value (the same batch, the same loss), so a
 sampler, a ``self.log(sync_dist=True)`` or an ``all_gather`` over the whole world would count each
-replica ``px·py·pz`` times: they run over the dp group instead. No Lightning import.
+replica ``px·py·pz`` times: in the Trainer strategies (``"tensor3d"``, ``"tensor3d_deepspeed"``)
+they run over the dp group instead (:class:`GridReplicas`). The Fabric strategy takes the sampler
+only (:class:`GridData`): Fabric's ``all_reduce``/``all_gather`` span the world, as in every Fabric
+strategy. No Lightning import.
 """
 
 from __future__ import annotations
@@ -39,21 +42,26 @@ def all_reduce(tensor: torch.Tensor, group=None, reduce_op: str | dist.ReduceOp 
     return tensor
 
 
-class GridReplicas:
-    """Strategy mixin: the grid, and the sampler, ``reduce`` and ``all_gather`` over its dp group."""
+class GridData:
+    """Strategy mixin: the grid, and a sampler over its dp group (the cube ranks share a batch)."""
 
     _grid: Grid | None = None
 
     @property
     def grid(self) -> Grid:
-        """The process grid (exists once the processes are set up, before ``configure_model``)."""
+        """The process grid (exists once the processes are set up: before ``configure_model``, or at ``Fabric.launch``)."""
         if self._grid is None:
-            raise RuntimeError(f"{type(self).__name__}.grid exists once Trainer.fit/validate/test/predict has set up the processes")
+            raise RuntimeError(f"{type(self).__name__}.grid exists once the processes are set up "
+                               "(Trainer.fit/validate/test/predict, or Fabric.launch)")
         return self._grid
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.grid.data_parallel_size, "rank": self.grid.coord("dp")}
+
+
+class GridReplicas(GridData):
+    """Strategy mixin (the Trainer's): the grid, and the sampler, ``reduce`` and ``all_gather`` over its dp group."""
 
     def _replicas(self, group):
         """The dp group in place of the default (None or the world, which LightningModule.all_gather passes)."""

@@ -1,0 +1,140 @@
+"""Fabric(strategy="tensor3d") in real multi-process Fabric loops (gloo, CPU), judged against DenseGPT in float64.
+
+The loops live in driver scripts (``fabric_scripts/``): ``suite.py world4`` is started here one
+process per rank (see its docstring for the runs F1, F2, T, F3), ``stops.py`` in worlds of 2 for
+the preemption and the killed rank, and ``cli_run.py`` by ``fabric run`` (torchrun).
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
+
+import common
+import worlds
+from side_by_side import run_side_by_side
+
+from lightning_3d import checkpoint as ckpt
+from lightning_3d.models import DenseGPT
+
+SCRIPTS = Path(__file__).parent / "fabric_scripts"
+TOL = 1e-9  # float64 throughout
+LOSS_TOL = 1e-7  # Fabric's 64-true hands the model's output back in float32 (the gradients stay float64)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fabric")
+    worlds.launch(SCRIPTS / "suite.py", 4, out, "world4", str(out), timeout=300)
+    return out
+
+
+def dense_reference(epochs: int) -> dict:
+    """DenseGPT in float64 from the same init, trained on the first epoch's global batches ``epochs`` times over;
+    its losses, pre-clip gradient norms, and state after the first epoch."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(common.INIT_SEED)
+        model = DenseGPT(common.config())
+    finally:
+        torch.set_default_dtype(default)
+    opt = torch.optim.AdamW(model.parameters(), lr=common.LR, weight_decay=0.1)
+    data = common.Tokens()
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=common.SEED)
+    losses, norms, states = [], [], []
+    for _ in range(epochs):
+        for _, tokens in DataLoader(data, batch_size=common.GLOBAL_BATCH, sampler=sampler):
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            losses.append(loss.item())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), common.CLIP).item())
+            opt.step()
+            opt.zero_grad()
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    return {"loss": losses, "grad_norm": norms, "state": states[0]}
+
+
+@pytest.fixture(scope="module")
+def dense() -> dict:
+    return dense_reference(3)
+
+
+def records(out: Path, name: str) -> list[dict]:
+    recs = common.read_records(out, name)
+    assert recs, f"run {name} wrote no records"
+    return recs
+
+
+def assert_close(got: list, want: list, what: str, tol: float = TOL) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} values, expected {len(want)}"
+    err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol:.0e}\n got  {got}\n want {want}"
+
+
+def test_fabric_steps_equal_the_dense_model_and_the_trainer(runs, dense):
+    """F1 (2×1×1 dp 2, ZeRO-1, two micro-batches a step): the dense model's first three AdamW steps; F2 (Fabric,
+    2×2×1) and T (Trainer, 1×2×2), both resumed from F1's checkpoint: the next three, equal to each other;
+    F3 (1×1×1 dp 4) resumed from T's checkpoint: the three after those."""
+    for name, steps in [("F1", slice(0, 3)), ("F2", slice(3, 6)), ("T", slice(3, 6)), ("F3", slice(6, 9))]:
+        for rec in records(runs, name):
+            assert_close(rec["loss"], dense["loss"][steps], f"{name} losses", LOSS_TOL)
+            assert_close(rec["grad_norm"], dense["grad_norm"][steps], f"{name} gradient norms")
+    f2, t = records(runs, "F2")[0], records(runs, "T")[0]
+    assert_close(f2["grad_norm"], t["grad_norm"], "Fabric's gradient norms against the Trainer's", tol=1e-12)
+    assert_close(f2["loss"], t["loss"], "Fabric's losses against the Trainer's", LOSS_TOL)
+
+
+def test_models_built_on_meta_go_on_the_grid_in_the_precision(runs):
+    grids = {name: (records(runs, name)[0]["grid"], records(runs, name)[0]["dp"]) for name in ("F1", "F2", "F3")}
+    assert grids == {"F1": ([2, 1, 1], 2), "F2": ([2, 2, 1], 1), "F3": ([1, 1, 1], 4)}
+    assert records(runs, "T")[0]["grid"] == [1, 2, 2]
+    for name in ("F1", "F2", "F3"):
+        assert all(r["meta_built"] and r["dtype"] == "torch.float64" for r in records(runs, name)), name
+    assert records(runs, "F2")[0]["strategy"] == "lightning_3d.strategy.fabric.Tensor3DFabricStrategy"  # by name
+    assert records(runs, "F3")[0]["strategy"] == "lightning_3d.strategy.lightning_fabric.Tensor3DFabricStrategy"
+
+
+def test_cube_ranks_share_a_batch_and_dp_ranks_split_it(runs):
+    recs = records(runs, "F1")  # 2×1×1, dp 2: ranks 0, 1 are dp 0; ranks 2, 3 dp 1
+    assert recs[0]["batches"] == recs[1]["batches"] and recs[2]["batches"] == recs[3]["batches"]
+    for step in range(len(recs[0]["batches"])):
+        assert not set(recs[0]["batches"][step]) & set(recs[2]["batches"][step])
+    seen = [i for r in (recs[0], recs[2]) for b in r["batches"] for i in b]
+    assert sorted(seen) == list(range(common.N_SEQ))
+
+
+def test_no_backward_sync_leaves_the_dp_replicas_apart_until_the_synced_backward(runs):
+    for rec in records(runs, "F1"):
+        assert rec["unsynced"] == [False] * 3 and rec["synced"] == [True] * 3
+
+
+def test_fabric_collectives_span_the_world(runs):
+    for rec in records(runs, "F1"):
+        assert rec["world_sum"] == 4.0 and rec["gathered"] == [4] and rec["broadcast"] == "from 0"
+
+
+def test_loaded_state_and_remainder(runs):
+    """The step counter and the scheduler come back from a Fabric checkpoint, entries the state does not name are
+    returned; from the Trainer's checkpoint, its loop state is returned."""
+    for rec in records(runs, "F2"):
+        assert rec["loaded_step"] == 3 and rec["scheduler_epoch"] == 3 and rec["remainder"] == ["note"]
+    for rec in records(runs, "F3"):
+        assert {"epoch", "global_step", "loops"} <= set(rec["remainder"]) and "tensor3d_param_groups" not in rec["remainder"]
+
+
+def test_to_dense_exports_a_fabric_checkpoint(runs, dense, tmp_path):
+    out = tmp_path / "dense.pt"
+    ckpt.main(["to-dense", str(runs / "F1"), str(out)])
+    model = DenseGPT(common.config()).double()
+    model.load_state_dict(torch.load(out), strict=True)
+    err = max(float((p - dense["state"][k]).abs().max()) for k, p in model.state_dict().items())
+    assert err < 1e-12, f"the dense export of F1 differs from DenseGPT trained 3 steps by {err:.2e}"
