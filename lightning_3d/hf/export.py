@@ -46,6 +46,8 @@ def _check_shapes(model: nn.Module, state_dict: dict[str, torch.Tensor], source:
                          f"{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}; a checkpoint written before "
                          "layouts were recorded (no 'dense_transposed' in its layout.json) holds Conv1D weights "
                          "[out, in]: load it onto a grid and save_pretrained from there")
+
+
 def write_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor], path: str | os.PathLike,
                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
     """Write ``model``'s config (and generation config), and ``state_dict`` as safetensors shards, to ``path``.
