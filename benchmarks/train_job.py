@@ -287,7 +287,7 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
 
     per = batch // method.dp
     d = grid.coord("dp")
-    return Job(step, slice(d * per, (d + 1) * per), grid.group("dp") if method.dp > 1 else None, {"options": options})
+    return Job(step, slice(d * per, (d + 1) * per), grid.group("dp") if method.dp > 1 else None, {"model": model})
 
 
 def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:

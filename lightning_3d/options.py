@@ -1,8 +1,9 @@
-"""RuntimeOptions: the run-time choices of the 3-D layers, in one object that every layer reads.
+"""RuntimeOptions: the run-time choices of the 3-D layers.
 
-They change how a model runs, never what it computes, and are not part of the grid: ``parallelize``
-hands one :class:`RuntimeOptions` to every 3-D layer it builds, so a change made to it (e.g. by a
-strategy after ``configure_model``) reaches all of them.
+They change how a model runs, never what it computes, and are not part of the grid. ``parallelize``
+fixes them into the model's :class:`~lightning_3d.runtime.Runtime`, which every 3-D layer of the
+model holds: from then on they refuse changes, and ``lightning_3d.parallel.set_options(model, ...)``
+applies a change to every layer (e.g. a strategy's, after ``configure_model``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class RuntimeOptions:
             (default) or re-gather them there (less memory, more communication).
         prefetch: in a parallelized model whose grid has px > 1, gather each weight
             ``prefetch_depth`` products ahead during forward, and re-gather it as far ahead in
-            backward where ``save_gathered=False`` (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`;
+            backward where ``save_gathered=False`` (:class:`~lightning_3d.runtime.WeightPrefetch`;
             as many gathered weights of memory). Default on.
         prefetch_depth: how many weights ``prefetch`` gathers ahead (default 4).
         gathered_together: how many consecutive weights start their gathers as one collective
@@ -38,7 +39,7 @@ class RuntimeOptions:
             backward), so that the host issues one a block.
         grads_at_end: in a parallelized model, reduce-scatter each gathered weight's gradient
             beside the rest of backward and wait for all of them once, at its end, instead of in
-            each product's backward (:mod:`~lightning_3d.ops.late_grads`; on CUDA, one side stream).
+            each product's backward (:mod:`~lightning_3d.runtime.late_grads`; on CUDA, one side stream).
             Default on; autograd still accumulates every gradient, so DDP's and DeepSpeed's
             gradient hooks see them all, at the end of backward.
         activation_checkpointing: recompute the modules the plan names as checkpoint units in
@@ -68,7 +69,14 @@ class RuntimeOptions:
         for f in fields(self):  # checked, not coerced: async_tp="no" would read as True
             (positive_int if f.type == "int" else flag)(getattr(self, f.name), f.name)
 
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_fixed"):
+            raise AttributeError(f"a model's RuntimeOptions are fixed: lightning_3d.parallel.set_options(model, {name}={value!r}) "
+                                 "applies a change to every 3-D layer of the model")
+        super().__setattr__(name, value)
 
-def resolve_options(options: RuntimeOptions | None) -> RuntimeOptions:
-    """``options`` itself, or a fresh default :class:`RuntimeOptions`."""
-    return options if options is not None else RuntimeOptions()
+    def fix(self) -> RuntimeOptions:
+        """Refuse changes from now on (a model runs with them); returns ``self``. ``dataclasses.replace``
+        makes a changeable copy."""
+        self.__dict__["_fixed"] = True
+        return self

@@ -16,8 +16,8 @@ import torch
 
 import harness
 from checks import assert_close, on_grids, rel
-from lightning_3d.ops.prefetch import backward_prefetch
 from lightning_3d.options import RuntimeOptions
+from lightning_3d.parallel import runtime_of, set_options
 from lightning_3d.sharding import get_spec, unshard_tensor
 from test_gpt import STYLES, batch, config, equivalence, pair
 
@@ -62,9 +62,11 @@ def compiled_options_job(grid):
     backward (the custom ops see their weights as parameters)."""
     options = RuntimeOptions(compile=True, prefetch=True, save_gathered=False, async_tp=True, grads_at_end=True)
     _fresh_compiler()
-    errs = _compiled(equivalence(grid, "llama", options), breaks_allowed=False)
-    fetched = backward_prefetch()
-    errs["backward_prefetch_order"] = float(fetched is None or not 0 < len(fetched._backward.order) == len(fetched._forward.order))
+    models = []
+    errs = _compiled(equivalence(grid, "llama", options, models), breaks_allowed=False)
+    fetched = runtime_of(models[0]).prefetch  # the model's own, where x gathers weights
+    errs["backward_prefetch_order"] = float(grid.size("x") > 1 and (fetched is None or not 0 < len(fetched._backward.order)
+                                                                    == len(fetched._forward.order)))
     return {f"options_{k}": e for k, e in errs.items()}
 
 
@@ -88,7 +90,7 @@ def compiled_autocast_job(grid):
 
     def run(compiled):
         _fresh_compiler()
-        model.options.compile = compiled
+        set_options(model, compile=compiled)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return model(idx, targets)
 
@@ -103,7 +105,7 @@ def compiled_checkpointing_job(grid, grads_at_end=False):
     idx, targets = batch(grid, 4)
 
     def run(compiled):
-        model.options.compile = model.options.activation_checkpointing = compiled
+        set_options(model, compile=compiled, activation_checkpointing=compiled)
         torch.manual_seed(5)
         return model(idx, targets)
 
@@ -154,21 +156,22 @@ def test_compiled_blocks_with_checkpointing_and_dropout():
     assert_close(harness.run(2, on_grids, [(2, 1, 1)], compiled_checkpointing_job, True), tol=1e-9)
 
 
-def test_plan_key_round_trips_every_field():
-    """What a compiled product's custom op is told (one string) is the plan it was made from."""
+def test_schedule_op_arguments_round_trip_every_field():
+    """What a compiled product's custom ops are told (typed arguments) is the schedule it was made from."""
     from itertools import product
 
-    from lightning_3d.ops.matmul import MatmulPlan, _plan_key, _plan_of
+    from lightning_3d.ops.matmul import _op_args, _schedule_of
+    from lightning_3d.runtime import MatmulSchedule, Runtime
 
     class Named:
         def __init__(self, name: str):
             self.group_name = name
 
-    groups = (Named("3"), Named("17"), Named("1a2b"))
+    groups, runtime = (Named("3"), Named("17"), Named("1a2b")), Runtime()
     for form, cast, flags in product(("ab", "abt", "atb"), (None, torch.bfloat16, torch.float16, torch.float32),
                                      product((False, True), repeat=4)):
         save_gathered, b_is_parameter, grads_at_end, async_tp = flags
-        plan = MatmulPlan(form, groups, (2, 4, 1), save_gathered, cast, b_is_parameter, grads_at_end, 3, async_tp)
-        key = _plan_key(plan)
-        assert _plan_of(key, resolve=False) == plan._replace(groups=(None,) * 3), key
-        assert key.split(";")[1:4] == ["3", "17", "1a2b"], key
+        schedule = MatmulSchedule(form, groups, (2, 4, 1), save_gathered, cast, b_is_parameter, grads_at_end, 3, async_tp)
+        args = _op_args(schedule, runtime)
+        assert _schedule_of(*args[:-1], resolve=False) == schedule._replace(groups=(None,) * 3), args
+        assert args[1] == ["3", "17", "1a2b"] and args[-1] == runtime.name, args

@@ -10,6 +10,7 @@ from checks import GRIDS_8, assert_close, local, nodes_named, on_grids, rel, see
 from lightning_3d.layout import gather_activation
 from lightning_3d.models import DenseGPT, FusedLinear3D, GPT3D, GPTConfig, dense_state_dict_from_hf, gpt_config_from_hf
 from lightning_3d.options import RuntimeOptions
+from lightning_3d.parallel import set_options
 from lightning_3d.sharding import get_spec, unshard_tensor
 
 # Tiny and distinct sizes: vocab 50 (padded to 64), width 16, 4 heads, MLP 64 (gpt2) / 24 (llama),
@@ -58,8 +59,11 @@ def grads_as_dense(model) -> dict:
     return model.dense_state_dict()
 
 
-def equivalence(grid, style, options=None):
+def equivalence(grid, style, options=None, models=None):
+    """Relative errors of GPT3D against DenseGPT; the model is appended to ``models`` when given."""
     dense, model = pair(grid, config(style), 1, options=options)
+    if models is not None:
+        models.append(model)
     idx, targets = batch(grid, 2)
     ref_logits = dense(idx).detach()
     ref_loss = dense(idx, targets)
@@ -91,7 +95,7 @@ def checkpointing(grid, style):
     runs = []
     for ckpt in (False, True):
         model.zero_grad()
-        model.options.activation_checkpointing = ckpt
+        set_options(model, activation_checkpointing=ckpt)
         calls.clear()
         torch.manual_seed(5)
         loss = model(idx, targets)
@@ -237,7 +241,7 @@ def bf16_job(grid):
     errs = {}
     for style in STYLES:
         _, model = pair(grid, config(style), 9, dtype=torch.float32)
-        model.options.activation_checkpointing = style == "llama"
+        set_options(model, activation_checkpointing=style == "llama")
         idx, targets = batch(grid, 10)
         embedding = model.transformer.wte.weight
         loss32 = model(idx, targets)

@@ -4,7 +4,6 @@ within seconds, instead of a wrong loss, a hang or an abort of some ranks."""
 
 import datetime
 import math
-import threading
 import time
 
 import pytest
@@ -15,9 +14,10 @@ import harness
 from lightning_3d import (CrossEntropyLoss3D, Linear3D, VocabParallelEmbedding3D, arguments, gather_activation, init_grid,
                           split_activation)
 from lightning_3d.models import GPT3D, GPTConfig
-from lightning_3d.ops import replicated, token_ids
+from lightning_3d.ops import replicated
 from lightning_3d.options import RuntimeOptions
-from lightning_3d.parallel import set_options
+from lightning_3d.parallel import runtime_of, set_options
+from lightning_3d.runtime import DeferredTokenChecks, check_token_range
 from lightning_3d.strategy import grid_rules
 
 FAST = 30  # seconds: a hang would be cut at the workers' 60 s collective timeout
@@ -57,7 +57,7 @@ def out_of_range_job():
     msgs["gpt_id"] = _error(lambda: model(bad))
     msgs["gpt_target"] = _error(lambda: model(ids % 50, bad))
     msgs["short_targets"] = _error(lambda: model(ids % 50, ids[:, :3] % 50))  # raised in before_forward
-    msgs["contexts_left"] = not token_ids._open() and all(getattr(p, replicated._VIEWS, None) is None for p in model.parameters())
+    msgs["contexts_left"] = not runtime_of(model).token_checks.is_open and all(getattr(p, replicated._VIEWS, None) is None for p in model.parameters())
     msgs["reads_after_products"] = _flag_reads_after_products(lambda: model(ids % 50, ids % 50))
     set_options(model, check_inputs=False)  # the check skipped: the same bad ids pass, every rank alike
     msgs["unchecked_loss"] = float(model(bad, ids % 50))
@@ -77,25 +77,21 @@ def _flag_reads_after_products(forward) -> bool:
 
 def test_deferred_checks_raise_at_exit_and_nest():
     ids = torch.tensor([[1, 2], [3, 9]])
-    after_inner = None
+    checks, after_inner = DeferredTokenChecks(), None
     with pytest.raises(ValueError, match=r"outer: token id 9 at index \(1, 1\) of \[2, 2\] is outside \[0, 8\)"):
-        with token_ids.DeferredTokenChecks() as outer:
-            token_ids.check_token_range(ids, 8, "outer", "token id")
+        with checks:
+            check_token_range(ids, 8, "outer", "token id", deferred=checks)
             with pytest.raises(ValueError, match="inner: target -5"):
-                with token_ids.DeferredTokenChecks():
-                    token_ids.check_token_range(torch.tensor([-5, 1]), 8, "inner", "target", ignore_index=-100)
-                    token_ids.check_token_range(ids, 10, "inner", "token id")  # in range: no error
-            after_inner = (token_ids._open() == [outer], [c.who for c in outer.checks])
+                with checks:
+                    check_token_range(torch.tensor([-5, 1]), 8, "inner", "target", ignore_index=-100, deferred=checks)
+                    check_token_range(ids, 10, "inner", "token id", deferred=checks)  # in range: no error
+            after_inner = (len(checks._open), [c.who for c in checks._open[-1]])
     # the outer check was started first, outlived the inner context unread, and raised at the outer exit
-    assert after_inner == (True, ["outer"]) and not token_ids._open(), after_inner
-    with pytest.raises(ValueError, match="now: token id 9"):  # outside any context: at once
-        token_ids.check_token_range(ids, 8, "now", "token id")
-    errors = []
-    with token_ids.DeferredTokenChecks():  # contexts are per thread: another thread's check raises there, at once
-        other = threading.Thread(target=lambda: errors.append(_error(lambda: token_ids.check_token_range(ids, 8, "thread", "token id"))))
-        other.start()
-        other.join()
-    assert "thread: token id 9" in errors[0]
+    assert after_inner == (1, ["outer"]) and not checks.is_open, after_inner
+    with pytest.raises(ValueError, match="now: token id 9"):  # closed: at once
+        check_token_range(ids, 8, "now", "token id", deferred=checks)
+    with DeferredTokenChecks():  # another model's checks open: a check given these closed ones raises at once
+        assert "other: token id 9" in _error(lambda: check_token_range(ids, 8, "other", "token id", deferred=checks))
 
 
 def test_ids_and_targets_out_of_range_raise_on_every_rank():

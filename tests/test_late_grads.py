@@ -19,8 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 import harness
 from checks import assert_close, on_grids, rel
 from lightning_3d import comm
-from lightning_3d.ops import late_grads
 from lightning_3d.options import RuntimeOptions
+from lightning_3d.parallel import runtime_of
+from lightning_3d.runtime import late_grads
 from lightning_3d.sharding import get_spec, unshard_tensor
 from test_gpt import batch, config, equivalence, pair
 
@@ -40,11 +41,11 @@ def _pending_share(grid, grads_at_end: bool, compile: bool = False) -> float:
     _, model = pair(grid, config("llama"), 3, options=RuntimeOptions(grads_at_end=grads_at_end, compile=compile))
     idx, targets = batch(grid, 4)
     seen = []
-    weights = _block_weights(model)
+    weights, held = _block_weights(model), runtime_of(model).late_grads
 
     def watch(module, args, out) -> None:
         def share(grad) -> None:
-            left = set(late_grads._pending) | {late_grads._key(w) for _, _, w in late_grads._queued}
+            left = set(held.pending) | {late_grads._key(w) for _, _, w in held.queued}
             seen.append(sum(late_grads._key(w) in left for w in weights) / len(weights))
 
         out.register_hook(share)

@@ -25,9 +25,9 @@ from lightning_3d.parallel import (
     dense_state_dict,
     options_of,
     parallelize,
+    runtime_of,
     set_options,
 )
-from lightning_3d.ops.prefetch import backward_prefetch
 from lightning_3d.sharding import get_spec
 
 # vocabulary 18: padded to 20 where px·py = 4; batch 4 splits on every grid below
@@ -122,7 +122,7 @@ def equality_job(grid):
             loss = model(ids, targets)
             loss.backward()
         errs[f"{run}_loss"] = rel(loss.detach(), ref.detach())
-        wanted, fetched = RuntimeOptions(**options), backward_prefetch()  # the options' prefetch, where x gathers weights
+        wanted, fetched = RuntimeOptions(**options), runtime_of(model).prefetch  # the options' prefetch, where x gathers weights
         errs[f"{run}_prefetch"] = float(wanted.prefetch and grid.size("x") > 1 and (fetched._forward.depth, fetched._forward.together)
                                         != (wanted.prefetch_depth, wanted.gathered_together))
         grads = _grads_as_dense(model)

@@ -38,6 +38,7 @@ def saved_weights_job(grid):
     """Under bf16 autocast a weight gathered over a group of one is saved as the float32 parameter itself
     (backward casts it again) instead of as a bf16 copy; the gradients are those of re-gathering."""
     from lightning_3d.options import RuntimeOptions
+    from lightning_3d.parallel import set_options
 
     torch.manual_seed(52)
     fc = Linear3D(16, 32, grid=grid, options=RuntimeOptions())
@@ -45,7 +46,7 @@ def saved_weights_job(grid):
     x = local(torch.randn(4, 5, 16), "z", grid)
     grads, saved = [], []
     for save_gathered in (True, False):
-        fc.options.save_gathered = save_gathered
+        set_options(fc, save_gathered=save_gathered)
         fc.zero_grad()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lightning_3d  # noqa: E402
 from lightning_3d import comm  # noqa: E402
-from lightning_3d.ops import late_grads  # noqa: E402
 from lightning_3d.ops import matmul as products  # noqa: E402
+from lightning_3d.runtime import MatmulSchedule, Runtime  # noqa: E402
 
 WARMUP, CALLS = 30, 300
 
@@ -84,16 +84,17 @@ def main() -> None:
     h, bf16 = args.width, torch.bfloat16
     a = torch.randn(4, 128, h, device=device, dtype=bf16)
     w = torch.nn.Parameter(torch.randn(h // px * 3, h, device=device))
-    plan = products.MatmulPlan("abt", (gy, gx, gz), (1, px, 1), True, bf16, True, False, 1, False)
-    key = products._plan_key(plan)
+    schedule = MatmulSchedule("abt", (gy, gx, gz), (1, px, 1), True, bf16, True, False, 1, False)
+    runtime = Runtime()
+    args = products._op_args(schedule, runtime)
     grad_full = torch.randn(h * 3, h, device=device, dtype=bf16)
     block = [torch.randn(h * 3, h, device=device, dtype=bf16) for _ in range(4)]
     weights = [torch.nn.Parameter(torch.randn(h // px * 3, h, device=device)) for _ in range(4)]
 
     def left_for_end(grads, together: int) -> None:
         for g, weight in zip(grads, weights):
-            late_grads.scatter_at_end(g, gx, weight, together)
-        late_grads._pending.clear()
+            runtime.late_grads.scatter_at_end(g, gx, weight, together)
+        runtime.late_grads.pending.clear()
 
     def block_gather() -> None:
         _, handle = comm.all_gather_dim0_together(weights, gx, bf16)
@@ -104,18 +105,18 @@ def main() -> None:
             pass
 
     with torch.no_grad():
-        c, _, kept_b = products._forward(plan, a, w, None)
+        c, _, kept_b = products._forward(schedule, runtime, a, w, None)
         grad_c = torch.randn_like(c)
         shapes = [a.dim(), *a.shape, *w.shape]
-        timed("product forward, custom op", lambda: torch.ops.lightning_3d.matmul3d(a, w, None, key))
-        timed("product forward, Python", lambda: products._forward(plan, a, w, None))
+        timed("product forward, custom op", lambda: torch.ops.lightning_3d.matmul3d(a, w, None, *args))
+        timed("product forward, Python", lambda: products._forward(schedule, runtime, a, w, None))
         timed("product backward, custom op", lambda: torch.ops.lightning_3d.matmul3d_backward(
-            grad_c, a, kept_b, w, shapes, bf16, torch.float32, bf16, [True, True, False], key))
-        timed("product backward, Python", lambda: products._backward(plan, grad_c, a, kept_b, (True, True, False), w))
-        w_full = torch.ops.lightning_3d.gathered_weight(w, key)
-        timed("x-grid product, the weight's gather op", lambda: torch.ops.lightning_3d.gathered_weight(w, key))
+            grad_c, a, kept_b, w, shapes, bf16, torch.float32, bf16, [True, True, False], *args))
+        timed("product backward, Python", lambda: products._backward(schedule, runtime, grad_c, a, kept_b, (True, True, False), w))
+        w_full = torch.ops.lightning_3d.gathered_weight(w, *args)
+        timed("x-grid product, the weight's gather op", lambda: torch.ops.lightning_3d.gathered_weight(w, *args))
         timed("x-grid product, its backward op", lambda: torch.ops.lightning_3d.gathered_product_backward(
-            grad_c, a, w_full, w, True, key))
+            grad_c, a, w_full, w, True, *args))
         timed("custom op, trivial body", lambda: torch.ops.host_calls.trivial(a, 1))
         timed("its Python function", lambda: trivial(a, 1))
         timed("F.linear", lambda: F.linear(a, grad_full))

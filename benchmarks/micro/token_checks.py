@@ -1,6 +1,6 @@
 """What the token-range check costs: one model, training steps with ``RuntimeOptions.check_inputs`` on and off in turn.
 
-The check (``lightning_3d.ops.token_ids``) compares the ids with the vocabulary and reads one flag
+The check (``lightning_3d.runtime.token_checks``) compares the ids with the vocabulary and reads one flag
 back to the host, once in the embedding and once in the loss. Its cost is the pause that read
 makes: the host waits for the device to finish everything queued, and the device then waits for
 the host to queue the next kernels. This script trains one model of ``train_job.py``
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import measure  # noqa: E402
 import train_job  # noqa: E402
 from lightning_3d.models import DenseGPT, GPTConfig  # noqa: E402
+from lightning_3d.parallel import set_options  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +56,7 @@ def main() -> None:
     dense = DenseGPT(config, device=run.device).state_dict()
     job = train_job.build_3d(run, method, config, dense, batch)
     del dense
-    options = job.info["options"]
+    model = job.info["model"]
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(config.vocab_size, (batch, seq + 1), generator=gen).to(run.device)
     ids, targets = ids[job.rows, :-1].contiguous(), ids[job.rows, 1:].contiguous()
@@ -67,7 +68,7 @@ def main() -> None:
         job.step(ids, targets)
     for _ in range(args.rounds):
         for check in (True, False):
-            options.check_inputs = check
+            set_options(model, check_inputs=check)
             steps = []
             for _ in range(args.steps):
                 timer.mark()

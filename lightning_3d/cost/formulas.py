@@ -7,7 +7,7 @@ measured matmul rate, memory bandwidth and per-group-size collective bandwidth a
 then charges only the communication the implementation cannot hide:
 
 - 3-D forward: the input all-gather and the output reduce-scatter of each product; the weight
-  all-gather is prefetched products ahead (:class:`~lightning_3d.ops.prefetch.WeightPrefetch`)
+  all-gather is prefetched products ahead (:class:`~lightning_3d.runtime.WeightPrefetch`)
   and costs only what the product's own time does not cover (all of it for the first product of a step).
 - 3-D backward: the gradient all-gather; the larger of the two reduce-scatters hides behind the
   other product, the smaller is exposed; when gathered operands are not saved, the activation's

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..grid import Grid
-from ..parallel import Dropout, Linear, LMHead, Norm, Plan, PositionEmbedding, VocabEmbedding, register_norm, register_plan
+from ..parallel import (Dropout, Linear, LMHead, Norm, Plan, PositionEmbedding, VocabEmbedding, register_norm, register_plan,
+                        runtime_of)
 from .interface import attention_input_as_y_batch, causal_lm_loss_3d, lay_out_inputs, projection_input_as_z
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -61,7 +62,8 @@ def _check_common(model: nn.Module, grid: Grid, heads: int) -> None:
 
 
 def _use_3d_loss(model: nn.Module, grid: Grid) -> None:
-    model.loss_function = functools.partial(causal_lm_loss_3d, grid=grid)
+    """The model's loss is the 3-D one; its label checks are read as the model's forward ends."""
+    model.loss_function = functools.partial(causal_lm_loss_3d, grid=grid, deferred=runtime_of(model).token_checks)
 
 
 def check_llama(model: nn.Module, grid: Grid) -> None:

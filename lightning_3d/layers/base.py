@@ -20,7 +20,8 @@ from torch import nn
 
 from ..checkpoint import dense_shapes, dense_transposed, global_to_dense
 from ..grid import Grid, resolve_grid
-from ..options import RuntimeOptions, resolve_options
+from ..options import RuntimeOptions
+from ..runtime import Runtime
 from ..sharding import ShardSpec, get_spec, set_spec, shard_tensor, unshard_tensor
 
 
@@ -100,9 +101,9 @@ def load_dense_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]
 
 
 class Module3D(nn.Module):
-    """Base of the 3-D layers: holds the grid and the :class:`~lightning_3d.options.RuntimeOptions`
-    it runs with (shared by every layer ``parallelize`` builds), and exchanges weights as dense
-    state dicts."""
+    """Base of the 3-D layers: holds the grid and the :class:`~lightning_3d.runtime.Runtime` it runs
+    with (its model's, which ``parallelize`` hands to every layer of the model; its own, made from
+    ``options``, for a layer built alone), and exchanges weights as dense state dicts."""
 
     #: Names of this layer's parameters that its dense twin stores transposed (``[in, out]``, as
     #: Hugging Face's ``Conv1D``): dense state dicts, loads and exports hold them so.
@@ -117,9 +118,15 @@ class Module3D(nn.Module):
     def __init__(self, grid: Grid | None = None, options: RuntimeOptions | None = None):
         super().__init__()
         self.grid = resolve_grid(grid)
-        self.options = resolve_options(options)
+        self.runtime = Runtime(options)
         if self.grid.cube_size > 1 and not self.traceable:
             self.forward = torch.compiler.disable(self.forward)
+
+    @property
+    def options(self) -> RuntimeOptions:
+        """The run-time choices this layer runs with: its runtime's, fixed
+        (``lightning_3d.parallel.set_options`` changes them)."""
+        return self.runtime.options
 
     def _apply(self, fn, recurse=True):
         """Keep each parameter's ShardSpec when a conversion (``to_empty``, ``to(device)``) replaces it."""

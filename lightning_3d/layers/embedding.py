@@ -9,7 +9,7 @@ from ..agreement import agree_on_first_call
 from ..grid import Grid
 from ..layout import Layout
 from ..ops.embedding import vocab_parallel_embedding
-from ..ops.token_ids import check_token_range
+from ..runtime import check_token_range
 from .base import Module3D, init_sharded_, sharded_parameter
 from .linear import linear_weight_spec
 
@@ -49,7 +49,7 @@ class VocabParallelEmbedding3D(Module3D):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         agree_on_first_call(self, self.grid.group("cube"), "VocabParallelEmbedding3D input", ids=ids)
         if self.options.check_inputs:
-            check_token_range(ids, self.vocab_size, "VocabParallelEmbedding3D", "token id")
+            check_token_range(ids, self.vocab_size, "VocabParallelEmbedding3D", "token id", deferred=self.runtime.token_checks)
         px, py, _ = self.grid.shape
         b = ids.shape[0]
         if b % (px * py):

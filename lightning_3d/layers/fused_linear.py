@@ -90,7 +90,7 @@ class FusedLinear3D(Module3D):
         bias = self._bias()
         if bias is not None:  # in the product's column order [px, groups, out/(px·pr)], added inside the GEMM
             bias = bias.unflatten(-1, (px, -1)).transpose(0, 1).flatten()
-        y = matmul_abt(x, self.weight, self._directions, self.grid, self.options, bias)
+        y = matmul_abt(x, self.weight, self._directions, self.grid, self.runtime, bias)
         return y.unflatten(-1, (px, self.groups, -1))
 
     def forward_groups(self, x: torch.Tensor, runs: Sequence[int]) -> tuple[torch.Tensor, ...]:
@@ -111,7 +111,7 @@ class FusedLinear3D(Module3D):
             return self._product(x).split(list(runs), -2)
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
         bias, starts = self._bias(), itertools.accumulate(runs, initial=0)
-        return tuple(matmul_abt(x, self.weight[start:start + n], self._directions, self.grid, self.options,
+        return tuple(matmul_abt(x, self.weight[start:start + n], self._directions, self.grid, self.runtime,
                                 None if bias is None else bias[start:start + n].flatten()).unflatten(-1, (1, n, -1))
                      for start, n in zip(starts, runs))
 

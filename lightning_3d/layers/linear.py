@@ -78,7 +78,7 @@ class Linear3D(Module3D):
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "Linear3D input")
         directions = (self.input_layout.row_axis, "x", self.input_layout.feature_axis)
         bias = use_replicated(self.bias, self.grid, grad_summed_over=directions[2]) if self.bias is not None else None
-        return matmul_abt(x, self.weight, directions, self.grid, self.options, bias)
+        return matmul_abt(x, self.weight, directions, self.grid, self.runtime, bias)
 
     def replicated_parameters(self) -> list[tuple[nn.Parameter, str]]:
         """The bias, whose gradient the product's reduce-scatter over the feature axis already sums."""

@@ -31,4 +31,5 @@ class CrossEntropyLoss3D(Module3D):
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         agree_on_first_call(self, self.grid.group("cube"), "CrossEntropyLoss3D targets", targets=targets, logits=logits)
         return vocab_parallel_cross_entropy(logits, targets, self.ignore_index, self.grid, self.vocab_size,
-                                            self.check_targets and self.options.check_inputs, self.options.compile)
+                                            self.check_targets and self.options.check_inputs, self.options.compile,
+                                            deferred=self.runtime.token_checks)

@@ -19,10 +19,10 @@ from torch import nn
 from ..agreement import agree_on_first_call
 from ..grid import Grid
 from ..layout import gather_activation
-from ..ops.token_ids import check_token_range
 from ..options import RuntimeOptions
 from ..parallel import Dropout, Linear, LMHead, Loss, Norm, Plan, PositionEmbedding, Rule, VocabEmbedding, parallelize, register_plan
 from ..parallel import dense_state_dict, grid_of, load_dense_state_dict, options_of
+from ..runtime import check_token_range
 from .config import GPTConfig
 from .dense import DenseGPT
 from .grid_checks import batch_multiple, check_grid, check_tokens
@@ -57,26 +57,27 @@ def gpt_plan(config: GPTConfig, options: RuntimeOptions | None = None) -> Plan:
         **block_rules(config),
         "transformer.ln_f": Norm("z"),
         "lm_head": LMHead(pad_to_multiple=config.vocab_multiple),
-        "loss": Loss(vocab_size=config.vocab_size, check_targets=False),  # check_inputs checks them first
+        "loss": Loss(vocab_size=config.vocab_size, check_targets=False),  # check_batch checks them first
     }
     if config.style != "gpt2":
         del rules["transformer.wpe"]
 
-    def check_inputs(model: nn.Module, grid: Grid, args: tuple, kwargs: dict) -> None:
+    def check_batch(model: nn.Module, grid: Grid, args: tuple, kwargs: dict) -> None:
         idx = args[0] if args else kwargs["idx"]
         targets = args[1] if len(args) > 1 else kwargs.get("targets")
         agree_on_first_call(model, grid.group("cube"), "GPT3D input", idx=idx, targets=targets)
         check_tokens(idx, config, grid)
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"GPT3D: targets {list(targets.shape)} must have the shape of idx {list(idx.shape)}")
-        if targets is not None and model.loss.options.check_inputs:  # the options every layer shares
-            check_token_range(targets, config.vocab_size, "GPT3D", "target", model.loss.ignore_index)
+        runtime = model.loss.runtime  # the model's, which every 3-D layer holds
+        if targets is not None and runtime.options.check_inputs:  # at the forward's start: read at its end
+            check_token_range(targets, config.vocab_size, "GPT3D", "target", model.loss.ignore_index, runtime.token_checks)
 
     return Plan(
         rules,
         options=options if options is not None else RuntimeOptions(),
         checkpoint=(BLOCKS,),
-        before_forward=check_inputs,
+        before_forward=check_batch,
         init=lambda name, t: init_dense_tensor_(name, t, config),
         validate=lambda model, grid: check_grid(config, grid),
     )
@@ -96,8 +97,8 @@ class GPT3D(DenseGPT):
         grid: defaults to the current grid.
         device, dtype: where and in what dtype the shards live. Nothing full-size is allocated:
             the model is built on ``meta`` and each rank draws its shards of DenseGPT's init.
-        options: the run-time choices (``activation_checkpointing`` recomputes each block);
-            the layers share this object (:attr:`options`), so changing a field takes effect at once.
+        options: the run-time choices (``activation_checkpointing`` recomputes each block), fixed
+            into the model's runtime (:attr:`options`; ``set_options(model, ...)`` changes them).
 
     Raises:
         ValueError: a size of ``config`` does not split on the grid (see :func:`check_grid`).

@@ -2,7 +2,8 @@
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import vocab_parallel_embedding
-from .matmul import WeightPrefetch, matmul_ab, matmul_abt, matmul_atb
+from ..runtime import WeightPrefetch
+from .matmul import matmul_ab, matmul_abt, matmul_atb
 from .norm import normalize
 from .replicated import use_replicated
 

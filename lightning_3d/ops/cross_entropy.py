@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .. import comm
 from ..grid import Grid, resolve_grid
 from ..layout import Layout
-from .token_ids import check_token_range
+from ..runtime import DeferredTokenChecks, check_token_range
 
 
 class _LocalMath(NamedTuple):
@@ -101,6 +101,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, grid: Grid | None = None,
     vocab_size: int | None = None, check_targets: bool = True, compiled: bool = False,
+    deferred: DeferredTokenChecks | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy over the cube's whole batch from y-layout logits and full targets.
 
@@ -113,6 +114,8 @@ def vocab_parallel_cross_entropy(
             then adds a wrong, finite loss.
         compiled: run the local passes over the logits through ``torch.compile`` (fused, no
             fp32 copy of the logits; :attr:`RuntimeOptions.compile`).
+        deferred: the model's open :class:`~lightning_3d.runtime.DeferredTokenChecks`, which reads
+            the targets' range check as the model's forward ends (default: read at once).
 
     Returns:
         A scalar, the same on every cube rank (fp32, or float64 for float64 logits).
@@ -128,7 +131,8 @@ def vocab_parallel_cross_entropy(
         )
     padded = logits.shape[-1] * grid.size(layout.feature_axis)
     if check_targets:
-        check_token_range(targets, padded if vocab_size is None else vocab_size, "vocab_parallel_cross_entropy", "target", ignore_index)
+        check_token_range(targets, padded if vocab_size is None else vocab_size, "vocab_parallel_cross_entropy", "target", ignore_index,
+                          deferred)
     block = grid.rank_in(rows)
     targets = targets[block * b_local : (block + 1) * b_local]
     vocab_start = grid.coord(layout.feature_axis) * logits.shape[-1]

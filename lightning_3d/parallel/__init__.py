@@ -2,8 +2,9 @@
 
 A :class:`Plan` maps module-name patterns to rules (:class:`Linear`, :class:`Norm`,
 :class:`VocabEmbedding`, :class:`PositionEmbedding`, :class:`LMHead`, :class:`Loss`,
-:class:`Dropout`) and carries the :class:`~lightning_3d.options.RuntimeOptions` the built layers
-read, the checkpoint units, and the model-level input/output hooks.
+:class:`Dropout`) and carries the :class:`~lightning_3d.options.RuntimeOptions` the model runs
+with, the checkpoint units, and the model-level input/output hooks. ``parallelize`` gives the model
+one :class:`~lightning_3d.runtime.Runtime`, which all its 3-D layers hold (:func:`runtime_of`).
 """
 
 from ..options import RuntimeOptions
@@ -11,7 +12,7 @@ from .norms import register_norm
 from .parallelize import parallelize
 from .plan import Plan, find_plan, register_plan
 from .rules import Dropout, Linear, LMHead, Loss, Norm, PositionEmbedding, Rule, VocabEmbedding
-from .state import dense_state_dict, grid_of, load_dense_state_dict, options_of, set_options
+from .state import dense_state_dict, grid_of, load_dense_state_dict, options_of, runtime_of, set_options
 
 __all__ = [
     "Dropout",
@@ -32,5 +33,6 @@ __all__ = [
     "parallelize",
     "register_norm",
     "register_plan",
+    "runtime_of",
     "set_options",
 ]

@@ -1,9 +1,9 @@
-"""The model-level hooks a plan adds: its input and output hooks, weight prefetch and weight
-gradients handed on at the end of backward while enabled
-(:class:`~lightning_3d.ops.late_grads.WeightGradsAtEnd`), one replica-gradient sum per forward
-(:class:`~lightning_3d.ops.replicated.ReplicatedGradsAtOnce`) and
-the token-range checks read once at the end of each forward
-(:class:`~lightning_3d.ops.token_ids.DeferredTokenChecks`)."""
+"""The model-level hooks ``parallelize`` adds: the plan's input and output hooks and, around each
+forward, the model's :class:`~lightning_3d.runtime.Runtime` at work: its token-range checks read
+once at the end (:class:`~lightning_3d.runtime.DeferredTokenChecks`), its weight prefetch
+(:class:`~lightning_3d.runtime.WeightPrefetch`), its weight gradients handed on at the end of
+backward while ``grads_at_end`` is on (:class:`~lightning_3d.runtime.WeightGradsAtEnd`), and one
+replica-gradient sum per forward (:class:`~lightning_3d.ops.replicated.ReplicatedGradsAtOnce`)."""
 
 from __future__ import annotations
 
@@ -14,39 +14,14 @@ from torch import nn
 
 from ..grid import Grid
 from ..layers.base import Module3D
-from ..ops.late_grads import WeightGradsAtEnd
-from ..ops.prefetch import WeightPrefetch
 from ..ops.replicated import ReplicatedGradsAtOnce
-from ..ops.token_ids import DeferredTokenChecks
-from ..options import RuntimeOptions
+from ..runtime import Runtime
 from ..sharding import get_spec
 from .plan import Plan
 
 
-class _PrefetchWhenEnabled:
-    """Enters a :class:`WeightPrefetch` around each forward of the model while ``options.prefetch``
-    is on and the grid ``gathers`` weights (px > 1), made anew when ``options.prefetch_depth`` or
-    ``options.gathered_together`` change."""
-
-    def __init__(self, options: RuntimeOptions, gathers: bool):
-        self.options, self.gathers, self.prefetch, self.made_for, self.entered = options, gathers, None, None, []
-
-    def enter(self, module, args) -> None:
-        on = self.options.prefetch and self.gathers
-        self.entered.append(on)
-        if on:
-            wanted = (self.options.prefetch_depth, self.options.gathered_together)
-            if wanted != self.made_for:
-                self.prefetch, self.made_for = WeightPrefetch(*wanted), wanted
-            self.prefetch.__enter__()
-
-    def leave(self, module, args, output) -> None:
-        if self.entered.pop():
-            self.prefetch.__exit__()
-
-
 class _EachForward:
-    """Enters a fresh context, ``make()``, around each forward of the module (nested calls nest)."""
+    """Enters the context ``make()`` returns around each forward of the module (nested calls nest)."""
 
     def __init__(self, make: Callable[[], contextlib.AbstractContextManager]):
         self.make, self.entered = make, []
@@ -73,19 +48,20 @@ def _gathered_weights(layers: list[Module3D], grid: Grid) -> list:
     return [p for p, spec in specs if spec is not None and "x" in sum(spec.dims, ())]
 
 
-def attach_model_hooks(model: nn.Module, plan: Plan, grid: Grid, options: RuntimeOptions) -> None:
-    """Register the plan's ``before_forward`` / ``after_forward``, the prefetch and
-    ``grads_at_end`` switches, the replica-gradient sum and the deferred token checks on ``model``. The contexts are entered before
-    ``before_forward`` runs, so that its token checks defer too and an error it raises leaves each
-    as entered (PyTorch runs ``always_call`` hooks then); the token checks are read last."""
-    tokens = _EachForward(DeferredTokenChecks)
-    prefetch = _PrefetchWhenEnabled(options, gathers=grid.size("x") > 1)
+def attach_model_hooks(model: nn.Module, plan: Plan, grid: Grid, runtime: Runtime) -> None:
+    """Register the plan's ``before_forward`` / ``after_forward`` and, around each forward, the
+    runtime's token checks, prefetch (as the runtime holds it at the forward's start) and
+    ``grads_at_end`` hand-out, and the replica-gradient sum on ``model``. The contexts are entered
+    before ``before_forward`` runs, so that its token checks defer too and an error it raises leaves
+    each as entered (PyTorch runs ``always_call`` hooks then); the token checks are read last."""
+    tokens = _EachForward(lambda: runtime.token_checks)
+    prefetch = _EachForward(lambda: runtime.prefetch or contextlib.nullcontext())
     # The 3-D layers are found once, not at each forward (a walk over a 24-layer GPT's 273 modules
     # takes the host 0.13 ms); a layer added later sums its own gradients, as one outside a model does.
     layers = [m for m in model.modules() if isinstance(m, Module3D)]
     replicated = _EachForward(lambda: ReplicatedGradsAtOnce(grid, _replicated_uses(layers)))
-    grads_at_end = _EachForward(lambda: WeightGradsAtEnd(_gathered_weights(layers, grid)) if options.grads_at_end
-                                else contextlib.nullcontext())
+    grads_at_end = _EachForward(lambda: runtime.late_grads.handing_out(_gathered_weights(layers, grid))
+                                if runtime.options.grads_at_end else contextlib.nullcontext())
     for entered in (tokens, prefetch, replicated, grads_at_end):
         model.register_forward_pre_hook(entered.enter)
     if plan.before_forward is not None:

@@ -25,6 +25,7 @@ from torch import nn
 from ..grid import Grid, resolve_grid
 from ..layers.base import Module3D, dense_to_global
 from ..options import RuntimeOptions
+from ..runtime import Runtime
 from ..sharding import get_spec, shard_tensor
 from .hooks import attach_model_hooks
 from .norms import norm_kind
@@ -43,7 +44,9 @@ def parallelize(model: nn.Module, plan: Plan | None = None, *, grid: Grid | None
         plan: the rules; None takes the built-in plan of the model's class
             (:func:`~lightning_3d.parallel.plan.find_plan`).
         grid: defaults to the current grid.
-        options: the run-time choices; defaults to ``plan.options``.
+        options: the run-time choices; defaults to ``plan.options``. They are fixed into the
+            model's :class:`~lightning_3d.runtime.Runtime`, which every 3-D layer of the model
+            holds (``set_options(model, ...)`` changes them).
         device: where the shards of a ``meta`` model are made; defaults to torch's default device.
             A materialised model's shards stay on its tensors' device.
 
@@ -63,15 +66,16 @@ def parallelize(model: nn.Module, plan: Plan | None = None, *, grid: Grid | None
     order, rules = _match(model, plan)
     units = _checkpoint_units(model, plan)
     modules = dict(order)
-    built = {name: _build(name, modules[name], rule, grid, options) for name, rule in rules.items()}
+    runtime = Runtime(options, gathers_weights=grid.size("x") > 1)
+    built = {name: _build(name, modules[name], rule, grid, options, runtime) for name, rule in rules.items()}
     del modules
     device = torch.device(device) if device is not None else torch.get_default_device()
     _Converter(model, plan, grid, device).run(order, rules, built)
     if plan.prepare is not None:
         plan.prepare(model, grid)
     for unit in units:
-        run_as_unit(unit, options)
-    attach_model_hooks(model, plan, grid, options)
+        run_as_unit(unit, runtime)
+    attach_model_hooks(model, plan, grid, runtime)
     return model
 
 
@@ -128,15 +132,16 @@ def _check_used(model: nn.Module, patterns, names, what: str) -> None:
                          "fix them or pass Plan(strict=False)")
 
 
-def _build(name: str, module: nn.Module, rule: Rule, grid: Grid, options: RuntimeOptions) -> nn.Module:
-    """The rule's 3-D module on ``meta``, every 3-D layer in it reading ``options``; errors name the module."""
+def _build(name: str, module: nn.Module, rule: Rule, grid: Grid, options: RuntimeOptions, runtime: Runtime) -> nn.Module:
+    """The rule's 3-D module on ``meta``, every 3-D layer in it running with the model's ``runtime``;
+    errors name the module."""
     try:
         new = rule.build(name, module, grid, options)
     except ValueError as e:
         raise ValueError(e.args[0] if str(e).startswith(name) else f"{name}: {e}") from e
     for layer in new.modules():
         if isinstance(layer, Module3D):
-            layer.options = options
+            layer.runtime = runtime
     return new
 
 

@@ -33,7 +33,7 @@ class Plan:
 
     Args:
         rules: ``{pattern: rule}``; every module that holds parameters must be matched.
-        options: the run-time choices every built layer reads (one shared object).
+        options: the run-time choices the model runs with (``parallelize`` fixes them into its runtime).
         checkpoint: patterns of the modules recomputed in backward while
             ``options.activation_checkpointing`` is on (the Transformer blocks).
         before_forward: ``(model, grid, args, kwargs) -> (args, kwargs) or None``, run before the

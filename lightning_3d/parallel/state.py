@@ -1,4 +1,4 @@
-"""What a parallelized model holds: its grid, its run-time options, its tensors as dense ones."""
+"""What a parallelized model holds: its grid, its runtime and options, its tensors as dense ones."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ..layers.base import dense_state_dict as _dense_state_dict
 from ..layers.base import load_dense_state_dict as _load_dense_state_dict
 from ..ops.async_tp import check_available
 from ..options import RuntimeOptions
+from ..runtime import Runtime
 
 
 def _layers(model: nn.Module) -> list[Module3D]:
@@ -31,9 +32,22 @@ def grid_of(model: nn.Module) -> Grid:
     return next(iter(grids.values()))
 
 
+def _runtimes(model: nn.Module) -> list[Runtime]:
+    return list({id(m.runtime): m.runtime for m in _layers(model)}.values())
+
+
+def runtime_of(model: nn.Module) -> Runtime:
+    """The :class:`~lightning_3d.runtime.Runtime` the 3-D layers of ``model`` share (``parallelize`` made it)."""
+    found = _runtimes(model)
+    if len(found) > 1:
+        raise ValueError(f"the 3-D layers of {type(model).__name__} hold {len(found)} different runtimes: "
+                         "layers built alone each run with their own; parallelize the model to give them one")
+    return found[0]
+
+
 def options_of(model: nn.Module) -> RuntimeOptions:
-    """The :class:`RuntimeOptions` object the 3-D layers of ``model`` share; change its fields to change how they run."""
-    found = {id(m.options): m.options for m in _layers(model)}
+    """The :class:`RuntimeOptions` the 3-D layers of ``model`` run with (fixed: :func:`set_options` changes them)."""
+    found = {id(r.options): r.options for r in _runtimes(model)}
     if len(found) > 1:
         raise ValueError(f"the 3-D layers of {type(model).__name__} hold {len(found)} different RuntimeOptions; "
                          "use lightning_3d.parallel.set_options(model, ...) to change them all")
@@ -52,16 +66,17 @@ def check_options(options: RuntimeOptions, grid: Grid) -> None:
 
 
 def set_options(model: nn.Module, **changes) -> None:
-    """Set fields of every :class:`RuntimeOptions` the 3-D layers of ``model`` hold (``set_options(model, async_tp=True)``).
+    """Change how the 3-D layers of ``model`` run (``set_options(model, async_tp=True)``): the runtime
+    of every layer applies its options with ``changes`` (the model's weight prefetch follows them),
+    from the next call on.
 
     Collective over the cube: every rank calls it with the same changes (checked)."""
     unknown = set(changes) - {f.name for f in dataclasses.fields(RuntimeOptions)}
     if unknown:
         raise ValueError(f"unknown RuntimeOptions fields {sorted(unknown)}; fields: {[f.name for f in dataclasses.fields(RuntimeOptions)]}")
     check_options(RuntimeOptions(**changes), grid_of(model))
-    for options in {id(m.options): m.options for m in _layers(model)}.values():
-        for name, value in changes.items():
-            setattr(options, name, value)
+    for runtime in _runtimes(model):
+        runtime.apply(dataclasses.replace(runtime.options, **changes))
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The plan's checkpoint units (a model's Transformer blocks): recomputed and compiled as ``RuntimeOptions`` says.
+"""The plan's checkpoint units (a model's Transformer blocks): recomputed and compiled as the model's options say.
 
 Compiling a unit fuses the work between its 3-D products (norms, activations, residual adds,
 rotary embeddings, attention) with Inductor, as ``torch.compile`` per block does for a dense model.
@@ -17,11 +17,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..options import RuntimeOptions
+from ..runtime import Runtime
 
 
-def run_as_unit(module: nn.Module, options: RuntimeOptions) -> None:
-    """Give ``module`` a forward that follows ``options.compile`` and ``options.activation_checkpointing``.
+def run_as_unit(module: nn.Module, runtime: Runtime) -> None:
+    """Give ``module`` a forward that follows its model's ``runtime.options.compile`` and
+    ``runtime.options.activation_checkpointing``.
 
     The module keeps its class, children and state-dict keys: its instance gets a ``forward`` that
     runs the class's, compiled (``torch.compile``, built at the first call that asks for it) while
@@ -34,7 +35,7 @@ def run_as_unit(module: nn.Module, options: RuntimeOptions) -> None:
     @functools.wraps(forward)
     def unit_forward(*args, **kwargs):
         nonlocal compiled
-        run = forward
+        run, options = forward, runtime.options
         if options.compile:
             if compiled is None:
                 compiled = torch.compile(forward)

@@ -6,28 +6,18 @@ ids, so the local check raises identically on all of them, with no communication
 
 Cost: one elementwise comparison over ``[batch, seq]`` ints and one flag read on the host. Read at
 once, the flag is a host synchronisation: the host waits for everything queued on the GPU before
-it, and the GPU then idles while the host launches what follows. Inside
-:class:`DeferredTokenChecks` (``parallelize`` enters one around every forward of a model) the flag
-is copied to pinned host memory as the check runs and read at the context's exit: a check started
-at the beginning of the forward (the embedding's, and GPT3D's check of its targets) has long
-finished by then, so reading it waits for nothing. The error is raised at that exit, before the
+it, and the GPU then idles while the host launches what follows. Given a model's open
+:class:`DeferredTokenChecks` (its :class:`~lightning_3d.runtime.Runtime`'s, open during each of its
+forwards) the flag is copied to pinned host memory as the check runs and read as the forward ends:
+a check started at the beginning of the forward (the embedding's, and GPT3D's check of its targets) has long
+finished by then, so reading it waits for nothing. The error is raised there, before the
 forward returns, so no loss or logits of bad ids reach the caller; the layers in between handle
 any id without failing (the embedding and the loss mask ids outside their vocabulary block).
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
-
-_local = threading.local()  # .open: this thread's contexts entered and not yet left, innermost last
-
-
-def _open() -> list[DeferredTokenChecks]:
-    if not hasattr(_local, "open"):
-        _local.open = []
-    return _local.open
 
 
 class _Check:
@@ -62,32 +52,40 @@ class _Check:
             )
 
 
-def check_token_range(ids: torch.Tensor, size: int, who: str, what: str, ignore_index: int | None = None) -> None:
+def check_token_range(ids: torch.Tensor, size: int, who: str, what: str, ignore_index: int | None = None,
+                      deferred: DeferredTokenChecks | None = None) -> None:
     """Raise ``ValueError`` naming the first id of ``ids`` outside ``[0, size)`` (other than ``ignore_index``):
-    now, or at the exit of the innermost open :class:`DeferredTokenChecks`."""
+    now, or as ``deferred`` closes when it is open (and the caller is not being compiled)."""
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{who}: {what}s must be integer token ids, got {ids.dtype}")
     check = _Check(ids, size, who, what, ignore_index)
-    contexts = _open()
-    if contexts and not torch.compiler.is_compiling():
-        contexts[-1].checks.append(check)
-        check.defer()
+    if deferred is not None and deferred.is_open and not torch.compiler.is_compiling():
+        deferred.add(check)
     else:
         check.raise_if_bad()
 
 
 class DeferredTokenChecks:
-    """A context in which :func:`check_token_range` only starts its checks; its exit reads them in
-    the order started and raises the first failure (also when the context is left by an error,
-    as a forward hook with ``always_call`` is: PyTorch then reports it as a warning beside that error).
-    Contexts nest, per thread; each reads its own checks."""
+    """Token-range checks only started while open, and read as it closes: in the order started, the
+    first failure raised (also when it is closed by an error, as a forward hook with ``always_call``
+    is: PyTorch then reports it as a warning beside that error). Opened and closed around each
+    forward of a model (nested forwards nest: each close reads the checks started since its open)."""
+
+    def __init__(self):
+        self._open: list[list[_Check]] = []
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self._open)
+
+    def add(self, check: _Check) -> None:
+        self._open[-1].append(check)
+        check.defer()
 
     def __enter__(self) -> DeferredTokenChecks:
-        self.checks: list[_Check] = []
-        _open().append(self)
+        self._open.append([])
         return self
 
     def __exit__(self, *exc) -> None:
-        _open().remove(self)
-        for check in self.checks:
+        for check in self._open.pop():
             check.raise_if_bad()

@@ -1,4 +1,8 @@
-"""WeightPrefetch: each weight's all-gather started ``depth`` (default four) 3-D products ahead, in forward and in backward."""
+"""WeightPrefetch: each weight's all-gather started ``depth`` (default four) 3-D products ahead, in forward and in backward.
+
+One belongs to a model (its :class:`~lightning_3d.runtime.Runtime`); the products of the model's
+layers reach it through the runtime they are handed.
+"""
 
 from __future__ import annotations
 
@@ -60,22 +64,20 @@ class _GatherOrder:
 
 
 class WeightPrefetch:
-    """While active, starts the all-gathers of the next ``depth`` weights as soon as the current one is gathered.
+    """Starts the all-gathers of the next ``depth`` weights as soon as the current one is gathered.
 
-    Use it as a context manager around forward passes (``with prefetch: loss = model(x)``), or
-    :meth:`attach` it to a model to enter it around every forward. The first forward records the
-    order in which the 3-D products gather their operand B when it is a parameter (or a view of
-    one); from then on, gathering weight k also starts the gathers of weights k+1 … k+``depth``
-    not yet started, so that their communication hides behind product k (and, for ``depth`` > 1,
-    the ones after it) instead of delaying the products that need them. Two ahead hides a
-    large weight's gather (an MLP's) behind the products before it, not only the one before it,
-    which is small (attention's output projection); the defaults, four ahead started four at a
-    time, gather a GPT or Llama block's four weights at once while the block before runs, the
-    fastest measured with ``grads_at_end`` (``docs/benchmarks.md``). Products that re-gather
-    their weight in backward (``save_gathered=False``) do the same there, in backward's own order,
-    as FSDP prefetches its backward all-gathers: the backward after a forward is served by the
-    prefetch that was active last (for the weights its forwards gathered), until another forward
-    enters one.
+    :meth:`attach` it to a model: it serves the 3-D products of the model's layers, and its hooks
+    mark each forward of the model. The first forward records the order in which the products
+    gather their operand B when it is a parameter (or a view of one); from then on, gathering
+    weight k also starts the gathers of weights k+1 … k+``depth`` not yet started, so that their
+    communication hides behind product k (and, for ``depth`` > 1, the ones after it) instead of
+    delaying the products that need them. Two ahead hides a large weight's gather (an MLP's)
+    behind the products before it, not only the one before it, which is small (attention's output
+    projection); the defaults, four ahead started four at a time, gather a GPT or Llama block's
+    four weights at once while the block before runs. Products that re-gather their weight in
+    backward (``save_gathered=False``) do the same there, in backward's own order, as FSDP
+    prefetches its backward all-gathers: the backward after a forward of the model is served by
+    its prefetch, for the weights its forwards gathered.
 
     A prefetched weight is used only while it is the same version of the same storage in the same
     dtype (an in-place change in between, as an optimizer step makes, discards it; a change
@@ -90,32 +92,40 @@ class WeightPrefetch:
     a block as ``together``, and ``depth`` = ``together``, the next block's weights are gathered
     while the current block runs, FSDP's scheme; runs start at the order's first weight, so they
     follow the blocks where no other weight comes first.
+
+    A parallelized model makes its own from ``RuntimeOptions.prefetch``, ``prefetch_depth`` and
+    ``gathered_together`` (:class:`~lightning_3d.runtime.Runtime`).
     """
 
     def __init__(self, depth: int = RuntimeOptions.prefetch_depth, together: int = RuntimeOptions.gathered_together):
         depth = _check_count("depth", depth, "how many weights are gathered ahead", RuntimeOptions.prefetch_depth)
         together = _check_count("together", together, "how many consecutive weights start their gathers as one collective",
                                 RuntimeOptions.gathered_together)
+        self.depth, self.together = depth, together
         self._forward, self._backward = _GatherOrder(depth, together), _GatherOrder(depth, together)
-        self._outer: list[WeightPrefetch | None] = []
+        self._forwards = 0  # forwards of the model entered and not yet left
+        self._served_forward = False  # a forward ended: backward's re-gathers are served
 
     def __enter__(self) -> WeightPrefetch:
-        global _active_prefetch, _backward_prefetch
-        self._outer.append(_active_prefetch)
-        _active_prefetch = self
-        if _backward_prefetch is not None:  # a backward left unfinished: free what it fetched ahead
-            _backward_prefetch._backward.drop()
-        _backward_prefetch = None
+        """A forward of the model starts (nested forwards count once)."""
+        if not self._forwards:
+            self._backward.drop()  # a backward left unfinished: free what it fetched ahead
+            self._served_forward = False
+        self._forwards += 1
         return self
 
     def __exit__(self, *exc) -> None:
-        global _active_prefetch, _backward_prefetch
-        _active_prefetch = self._outer.pop()
-        self._forward.drop()
-        _backward_prefetch = self
+        self._forwards -= 1
+        if not self._forwards:
+            self._forward.drop()
+            self._served_forward = True
 
     def attach(self, module: torch.nn.Module) -> WeightPrefetch:
-        """Be active during every forward of ``module`` (forward hooks); returns ``self``."""
+        """Serve the 3-D products of every 3-D layer of ``module`` and mark each of its forwards
+        (forward hooks); returns ``self``."""
+        for runtime in {id(m.runtime): m.runtime for m in module.modules() if hasattr(m, "runtime")}.values():
+            runtime.prefetch = self
+
         def enter(mod, args) -> None:
             self.__enter__()
 
@@ -125,6 +135,14 @@ class WeightPrefetch:
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave, always_call=True)
         return self
+
+    def gather_in(self, forward: bool):
+        """The gather a product of B as a parameter calls now: :meth:`gather` inside a forward of
+        the model, :meth:`regather` in the backward after one, None otherwise (a block recomputed
+        in backward, a product before the first forward ends)."""
+        if self._forwards:
+            return self.gather if forward else None
+        return self.regather if self._served_forward and not forward else None
 
     def gather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
         """``all_gather_dim0(w.to(dtype), group, async_op=True)`` in forward, served from the prefetch
@@ -136,14 +154,10 @@ class WeightPrefetch:
 
     def regather(self, w: torch.Tensor, group, dtype: torch.dtype | None):
         """The same in backward, for a product that did not keep its gathered weight. A weight
-        this prefetch's forward did not gather (another model's) is gathered plainly."""
+        this prefetch's forward did not gather is gathered plainly."""
         if _storage_key(w) not in self._forward.position:
             return _start_gathers([(w, group)], dtype)[0]
         return self._backward.gather(w, group, dtype)
-
-
-_active_prefetch: WeightPrefetch | None = None
-_backward_prefetch: WeightPrefetch | None = None
 
 
 def _start_gathers(items: list[tuple[torch.Tensor, object]], dtype: torch.dtype | None) -> list[tuple]:
@@ -170,14 +184,3 @@ def _fetched_ahead(position: int, w: torch.Tensor, dtype: torch.dtype | None, ga
 
 def _storage_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-
-
-def active_prefetch() -> WeightPrefetch | None:
-    """The innermost active :class:`WeightPrefetch`, or None."""
-    return _active_prefetch
-
-
-def backward_prefetch() -> WeightPrefetch | None:
-    """The :class:`WeightPrefetch` that serves backward's re-gathers: the one whose forward ended
-    last, unless a forward is running."""
-    return _backward_prefetch
