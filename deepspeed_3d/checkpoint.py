@@ -120,6 +120,7 @@ def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str | N
     prefix = root_info(layout.get("dense_root"), prefix)["prefix"]
     grid = _offline_grid(layout)
     specs, dense_shapes, transposed = layout_specs(layout), layout["dense_shapes"], set(layout.get("dense_transposed", ()))
+    orders = layout.get("dense_row_orders", {})
     shards = [rank_state_dict(path, r) for r in range(grid.cube_size)]
     out = {}
     for key, value in shards[0].items():
@@ -128,7 +129,7 @@ def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str | N
         spec = specs.get(key)
         tied = layout.get("ties", {}).get(key, key)  # DeepSpeed lists a tied parameter under its first name only, on some ranks
         full = value if spec is None else assemble_tensor([shard.get(key, shard.get(tied)) for shard in shards], spec, grid)
-        out[key[len(prefix):]] = global_to_dense(full, dense_shapes.get(key), key in transposed)
+        out[key[len(prefix):]] = global_to_dense(full, dense_shapes.get(key), key in transposed, orders.get(key))
     if not out:
         raise ValueError(f"{path} holds no model tensors under the prefix {prefix!r}")
     return out

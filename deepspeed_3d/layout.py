@@ -8,6 +8,8 @@ the grid. Parameters without a spec are replicated over the cube and are not lis
 (:func:`lightning_3d.checkpoint.dense_shapes`: padded vocabularies, fused weights);
 ``"dense_transposed"`` the keys the dense twin stores transposed
 (:func:`lightning_3d.checkpoint.dense_transposed`: Hugging Face ``Conv1D`` weights, ``[in, out]``);
+``"dense_row_orders"`` the keys whose dense twin orders the rows otherwise
+(:func:`lightning_3d.checkpoint.dense_row_orders`: LitGPT's grouped query heads);
 ``"dense_root"`` the model inside the module whose dense twin to export (its state-dict prefix,
 class and config: :func:`lightning_3d.checkpoint.dense_root`).
 
@@ -21,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_3d.checkpoint import dense_root, dense_shapes, dense_transposed
+from lightning_3d.checkpoint import dense_root, dense_row_orders, dense_shapes, dense_transposed
 from lightning_3d.grid import Grid
 from lightning_3d.sharding import ShardSpec, get_spec
 
@@ -37,7 +39,8 @@ def model_layout(module: nn.Module, grid: Grid) -> dict[str, Any]:
             params[name] = {"global_shape": list(spec.global_shape), "dims": [list(axes) for axes in spec.dims]}
         ties[name] = first.setdefault(id(param), name)  # a tied parameter (an LM head's) → its first name
     return {"grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size, "params": params,
-            "dense_shapes": dense_shapes(module), "dense_transposed": dense_transposed(module), "dense_root": dense_root(module),
+            "dense_shapes": dense_shapes(module), "dense_transposed": dense_transposed(module),
+            "dense_row_orders": dense_row_orders(module), "dense_root": dense_root(module),
             "ties": {k: v for k, v in ties.items() if k != v}}
 
 

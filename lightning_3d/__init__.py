@@ -18,6 +18,7 @@ from .ops import WeightPrefetch, matmul_ab, matmul_abt, matmul_atb, vocab_parall
 from .options import RuntimeOptions
 from .parallel import Plan, dense_state_dict, load_dense_state_dict, parallelize
 from .hf import save_pretrained  # also registers the Hugging Face plans by class name (no transformers import)
+from . import litgpt as _litgpt  # registers LitGPT's plan by class name (no litgpt import)
 from .sharding import ShardSpec, get_spec
 
 __all__ = [

@@ -32,9 +32,11 @@ DENSE_FORMAT = "lightning_3d.dense/1"
 INFO_KEY = "lightning_3d"
 
 
-def global_to_dense(full: torch.Tensor, shape: list[int] | None = None, transposed: bool = False) -> torch.Tensor:
+def global_to_dense(full: torch.Tensor, shape: list[int] | None = None, transposed: bool = False,
+                    row_order: tuple[int, list[int]] | None = None) -> torch.Tensor:
     """The dense twin's tensor of a global one: the leading rows that make up ``shape`` (drops padding;
-    default: all of them), reshaped to ``shape``; then, where ``transposed``, the 2-D result
+    default: all of them), reshaped to ``shape``; then its rows in the dense twin's order where
+    ``row_order`` is given (:func:`reorder_rows`); then, where ``transposed``, the 2-D result
     transposed (a weight the dense twin stores ``[in, out]``, as Hugging Face's ``Conv1D``)."""
     if shape is not None:
         row = math.prod(full.shape[1:])
@@ -42,7 +44,21 @@ def global_to_dense(full: torch.Tensor, shape: list[int] | None = None, transpos
         if need % row or need // row > full.shape[0]:
             raise ValueError(f"cannot make a dense tensor of shape {shape} from a global tensor of shape {list(full.shape)}")
         full = full[: need // row].reshape(shape)
+    if row_order is not None:
+        full = reorder_rows(full, row_order)
     return full.t().contiguous() if transposed else full
+
+
+def reorder_rows(t: torch.Tensor, row_order: tuple[int, list[int]], inverse: bool = False) -> torch.Tensor:
+    """``t``'s rows (dim 0) in blocks of ``block`` rows, ``row_order = (block, order)``: block ``k`` of the
+    result is block ``order[k]`` of ``t`` (the dense twin's order of a global tensor's rows, e.g.
+    LitGPT's query heads grouped by key/value head where the 3-D layer groups them by slot);
+    ``inverse``: the global order back from the dense one."""
+    block, order = row_order
+    index = torch.as_tensor(order, device=t.device)
+    if inverse:
+        index = torch.argsort(index)
+    return t.unflatten(0, (-1, block))[index].flatten(0, 1)
 
 
 def dense_info(path: str | Path, prefix: str | None = None) -> dict[str, Any]:
@@ -75,7 +91,7 @@ def to_dense(path: str | Path, prefix: str | None = None) -> dict[str, torch.Ten
     metadata = verified_metadata(path, collective=False)
     prefix = dense_info(path, prefix)["prefix"]
     layout = json.loads((path / LAYOUT_FILE).read_text())
-    shapes, transposed = layout["dense_shapes"], set(layout.get("dense_transposed", ()))
+    shapes, transposed, orders = layout["dense_shapes"], set(layout.get("dense_transposed", ())), layout.get("dense_row_orders", {})
     head = f"{MODEL_KEY}."
     full = {fqn[len(head):]: torch.empty(md.size, dtype=md.properties.dtype)
             for fqn, md in metadata.state_dict_metadata.items()
@@ -85,7 +101,7 @@ def to_dense(path: str | Path, prefix: str | None = None) -> dict[str, torch.Ten
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({MODEL_KEY: full}, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
-    return {k[len(prefix):]: global_to_dense(t, shapes.get(k), k in transposed) for k, t in full.items()}
+    return {k[len(prefix):]: global_to_dense(t, shapes.get(k), k in transposed, orders.get(k)) for k, t in full.items()}
 
 
 def save_dense(state: dict[str, torch.Tensor], output: str | Path, info: dict[str, Any] | None = None) -> None:

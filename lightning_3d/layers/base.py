@@ -5,7 +5,8 @@ viewed as ``[groups, out, in]``) declares ``dense_shapes = {name: dense shape}``
 is the leading elements of the global one in row-major order, so padding is zeros appended to the
 rows and grouping is a reshape. A weight its dense twin stores transposed (``[in, out]``, as
 Hugging Face's ``Conv1D``) is named in ``dense_transposed``: the dense tensor is the transpose of
-that. :func:`dense_to_global` and :func:`~lightning_3d.checkpoint.global_to_dense` are the two
+that. A layer whose dense twin orders the rows otherwise (LitGPT's fused ``qkv``) declares
+``dense_row_order``. :func:`dense_to_global` and :func:`~lightning_3d.checkpoint.global_to_dense` are the two
 directions; dense state dicts, loads, ``parallelize`` and checkpoint export all go through them,
 so a dense state dict is exactly what the dense twin's ``state_dict()`` holds.
 """
@@ -13,12 +14,14 @@ so a dense state dict is exactly what the dense twin's ``state_dict()`` holds.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Callable, ClassVar
 
 import torch
 from torch import nn
 
-from ..checkpoint import dense_shapes, dense_transposed, global_to_dense
+from ..checkpoint import dense_row_orders, dense_shapes, dense_transposed, global_to_dense, reorder_rows
 from ..grid import Grid, resolve_grid
 from ..options import RuntimeOptions
 from ..runtime import Runtime
@@ -45,10 +48,13 @@ def init_sharded_(param: torch.Tensor, grid: Grid, init: Callable[[torch.Tensor]
     param.copy_(shard_tensor(full, get_spec(param), grid))
 
 
-def dense_to_global(dense: torch.Tensor, global_shape: tuple[int, ...], transposed: bool = False) -> torch.Tensor:
+def dense_to_global(dense: torch.Tensor, global_shape: tuple[int, ...], transposed: bool = False,
+                    row_order: tuple[int, list[int]] | None = None) -> torch.Tensor:
     """The global tensor whose leading elements are ``dense`` (row-major; first transposed where
-    ``transposed``: a 2-D weight stored ``[in, out]``), zeros after them."""
-    flat = (dense.t() if transposed else dense).reshape(-1)
+    ``transposed``: a 2-D weight stored ``[in, out]``; then its rows put back in the global order where
+    the dense twin orders them by ``row_order``), zeros after them."""
+    dense = dense.t() if transposed else dense
+    flat = (dense if row_order is None else reorder_rows(dense, row_order, inverse=True)).reshape(-1)
     pad = math.prod(global_shape) - flat.numel()
     if pad < 0:
         raise ValueError(f"a dense tensor of shape {list(dense.shape)} does not fit the global shape {list(global_shape)}")
@@ -63,7 +69,7 @@ def dense_state_dict(module: nn.Module, grid: Grid) -> dict[str, torch.Tensor]:
     Padding is dropped, grouped tensors flattened and weights stored ``[in, out]`` transposed, as the
     modules' ``dense_shapes`` and ``dense_transposed`` declare.
     """
-    out, done, shapes, transposed = {}, {}, dense_shapes(module), set(dense_transposed(module))
+    out, done, shapes, transposed, orders = {}, {}, dense_shapes(module), set(dense_transposed(module)), dense_row_orders(module)
     for key, t in module.state_dict(keep_vars=True).items():
         spec = get_spec(t)
         if spec is None:
@@ -71,7 +77,7 @@ def dense_state_dict(module: nn.Module, grid: Grid) -> dict[str, torch.Tensor]:
             continue
         if id(t) not in done:
             done[id(t)] = unshard_tensor(t.detach(), spec, grid)
-        out[key] = global_to_dense(done[id(t)], shapes.get(key), key in transposed)
+        out[key] = global_to_dense(done[id(t)], shapes.get(key), key in transposed, orders.get(key))
     return out
 
 
@@ -84,7 +90,7 @@ def load_dense_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]
     unexpected = [k for k in state_dict if k not in own]
     if strict and (missing or unexpected):
         raise KeyError(f"dense state dict does not match the module: missing {missing}, unexpected {unexpected}")
-    shapes, transposed = dense_shapes(module), set(dense_transposed(module))
+    shapes, transposed, orders = dense_shapes(module), set(dense_transposed(module)), dense_row_orders(module)
     for key, t in own.items():
         if key not in state_dict:
             continue
@@ -96,7 +102,8 @@ def load_dense_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor]
             raise ValueError(f"{key}: the dense state dict holds shape {list(full.shape)}, the module expects {list(shape)}"
                              + (" (the dense twin's [in, out] layout)" if key in transposed else ""))
         if spec is not None:
-            full = shard_tensor(dense_to_global(full.to(t.device), spec.global_shape, key in transposed), spec, grid)
+            full = shard_tensor(dense_to_global(full.to(t.device), spec.global_shape, key in transposed, orders.get(key)),
+                                spec, grid)
         t.copy_(full)
 
 
@@ -108,6 +115,12 @@ class Module3D(nn.Module):
     #: Names of this layer's parameters that its dense twin stores transposed (``[in, out]``, as
     #: Hugging Face's ``Conv1D``): dense state dicts, loads and exports hold them so.
     dense_transposed: tuple[str, ...] = ()
+
+    #: ``{name: (block, order)}`` for parameters whose dense twin holds the rows of the global tensor
+    #: (after ``dense_shapes``) in another order: its row block ``k`` (``block`` rows) is the global's
+    #: block ``order[k]`` (LitGPT's fused ``qkv``, query heads grouped by key/value head). Set by the rule
+    #: that builds the layer; dense state dicts, loads and exports follow it.
+    dense_row_order: Mapping[str, tuple[int, tuple[int, ...]]] = MappingProxyType({})
 
     #: Whether ``torch.compile`` traces the forward on a cube of several ranks: true where the layer
     #: communicates only through custom ops (the 3-D products, norm statistics, replicated

@@ -22,9 +22,16 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device=None, dtype=to
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate ``x`` ``[b, s, ..., head_dim]`` by position (dim 1), each head on its own."""
+    """Rotate ``x`` ``[b, s, ..., head_dim]`` by position (dim 1), each head on its own.
+
+    ``rope``: ``(cos, sin)``, each ``[≥ s, n]``. With ``n < head_dim`` (partial rotary, as in
+    GPT-NeoX) only the first ``n`` features of each head turn; the others pass unchanged.
+    """
+    n = rope[0].shape[-1]
     cos, sin = (t[: x.shape[1]].view(x.shape[1], *[1] * (x.dim() - 3), -1).to(x.dtype) for t in rope)
-    return rotate(x, cos, sin)
+    if n == x.shape[-1]:
+        return rotate(x, cos, sin)
+    return torch.cat([rotate(x[..., :n], cos, sin), x[..., n:]], -1)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

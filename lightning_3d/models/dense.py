@@ -80,24 +80,35 @@ class DenseAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        r, d = self.queries_per_kv, self.head_dim
-        if rope is None:
-            parts = output_groups(self.c_attn, x, (r, 1, 1))  # [b, s, P, run, kv_heads·d/P]: r query slots; k; v
-        else:  # one product, whose gradient RoPE's backward writes in one pass
-            (qkv,) = output_groups(self.c_attn, x, (r + 2,))  # [b, s, P, r + 2, kv_heads·d/P]
-            if qkv.shape[-1] % d == 0:
-                return self._attend(*packed_rope(qkv.unflatten(-1, (-1, d)), rope, r))
-            parts = qkv.split([r, 1, 1], -2)
-        if parts[0].shape[-1] % d:  # a block cuts a head (P does not divide the key/value heads): join the blocks
-            parts = [t.movedim(-3, -2).flatten(-2).unsqueeze(-3) for t in parts]
-        q, k, v = (t.unflatten(-1, (-1, d)) for t in parts)  # [b, s, P, run, kv_heads/P, d]
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
-        # key/value head t = (block, t'); query head (t, g) of slot g → order t·r + g, the order causal_attention pairs
-        return self._attend(*(t.flatten(2, -2) for t in (q.transpose(-3, -2), k, v)))
+        return self.resid_dropout(self.c_proj(packed_attention(self.c_attn, x, self.queries_per_kv, self.head_dim, rope)))
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.resid_dropout(self.c_proj(causal_attention(q, k, v)))
+
+def packed_attention(qkv: nn.Module, x: torch.Tensor, queries_per_kv: int, head_dim: int,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal self-attention of the heads that the packed projection ``qkv`` makes of ``x``.
+
+    ``qkv(x)`` is ``[b, s, (r + 2)·n]`` as :class:`DenseAttention`'s ``c_attn`` lays it out: ``r =
+    queries_per_kv`` query slots, then k, then v, each ``n = kv_heads·head_dim`` (the heads of this
+    rank, any number). ``rope``: ``(cos, sin)`` ``[≥ s, m]``, rotating the first ``m ≤ head_dim``
+    features of every q and k head (partial rotary where ``m < head_dim``), or None. Returns
+    ``[b, s, r·kv_heads·head_dim]``, query head ``t·r + g`` (slot ``g`` of key/value head ``t``) at
+    position ``t·r + g``: the order in which grouped-query attention pairs query heads with key/value heads.
+    """
+    r, d = queries_per_kv, head_dim
+    if rope is None or rope[0].shape[-1] != d:
+        parts = output_groups(qkv, x, (r, 1, 1))  # [b, s, P, run, kv_heads·d/P]: r query slots; k; v
+    else:  # one product, whose gradient RoPE's backward writes in one pass
+        (packed,) = output_groups(qkv, x, (r + 2,))  # [b, s, P, r + 2, kv_heads·d/P]
+        if packed.shape[-1] % d == 0:
+            return causal_attention(*packed_rope(packed.unflatten(-1, (-1, d)), rope, r))
+        parts = packed.split([r, 1, 1], -2)
+    if parts[0].shape[-1] % d:  # a block cuts a head (P does not divide the key/value heads): join the blocks
+        parts = [t.movedim(-3, -2).flatten(-2).unsqueeze(-3) for t in parts]
+    q, k, v = (t.unflatten(-1, (-1, d)) for t in parts)  # [b, s, P, run, kv_heads/P, d]
+    if rope is not None:
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+    # key/value head t = (block, t'); query head (t, g) of slot g → order t·r + g, the order causal_attention pairs
+    return causal_attention(*(t.flatten(2, -2) for t in (q.transpose(-3, -2), k, v)))
 
 
 class DenseMLP(nn.Module):

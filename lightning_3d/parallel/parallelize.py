@@ -205,7 +205,7 @@ class _Converter:
 
     @torch.no_grad()
     def _replace(self, name: str, module: nn.Module, rule: Rule, new: nn.Module, originals: dict[str, nn.Parameter]) -> None:
-        dense, transposed = rule.dense_tensors(module), getattr(new, "dense_transposed", ())
+        dense, transposed, orders = rule.dense_tensors(module), getattr(new, "dense_transposed", ()), getattr(new, "dense_row_order", {})
         real = [t for t in dense.values() if t is not None and not t.is_meta]
         new.to_empty(device=real[0].device if real else self.device)
         for pname, p in list(new.named_parameters(recurse=False)):
@@ -220,7 +220,8 @@ class _Converter:
                 spec = get_spec(p)
                 full = dense[pname].to(p.device)
                 p.copy_(full if spec is None else
-                        shard_tensor(dense_to_global(full, spec.global_shape, pname in transposed), spec, self.grid))
+                        shard_tensor(dense_to_global(full, spec.global_shape, pname in transposed, orders.get(pname)),
+                                     spec, self.grid))
             if source is not None and id(source) in self.holders:
                 self._hold(source, shared if shared is not None else p)
         parent_name, _, child = name.rpartition(".")

@@ -77,15 +77,18 @@ _plans: dict[str, Callable[[nn.Module], Plan]] = {}
 
 
 def register_plan(class_name: str, make_plan: Callable[[nn.Module], Plan]) -> None:
-    """Make ``make_plan(model)`` the built-in plan of models whose class (or a base class) is named ``class_name``."""
+    """Make ``make_plan(model)`` the built-in plan of models whose class (or a base class) is named
+    ``class_name``: a plain name (``"LlamaForCausalLM"``) or one qualified by its module
+    (``"litgpt.model.GPT"``, for a name as common as ``GPT``)."""
     _plans[class_name] = make_plan
 
 
 def find_plan(model: nn.Module) -> Plan:
     """The built-in plan of ``model``'s class; ``ValueError`` naming the class and the fix when there is none."""
     for cls in type(model).__mro__:
-        if cls.__name__ in _plans:
-            return _plans[cls.__name__](model)
+        for name in (f"{cls.__module__}.{cls.__qualname__}", cls.__name__):
+            if name in _plans:
+                return _plans[name](model)
     raise ValueError(
         f"no built-in plan for {type(model).__name__} (built in: {', '.join(sorted(_plans)) or 'none'}); "
         f"pass parallelize(model, plan=Plan(rules={{...}})) or register one with "

@@ -1,0 +1,234 @@
+"""LitGPT's ``litgpt.model.GPT`` through ``parallelize`` with its built-in plan, against LitGPT's own model.
+
+A world of 4 sweeps 1×1×1 (dp 4), 2×1×1 (dp 2), 1×2×1 (dp 2), 1×2×2 and 2×2×1 with two tiny
+configs built with ``litgpt.Config``, in float64:
+
+- Pythia-like: parallel residual, LayerNorm, GELU (``GptNeoxMLP``), partial rotary (half of each
+  head), biases, untied head over a padded vocabulary that the grid pads further;
+- Llama-like: grouped queries (4 heads, 2 key/value groups), RMSNorm, SwiGLU (``LLaMAMLP``), no
+  biases, full rotary, sequential residual, untied head;
+
+and a Phi-like config (parallel residual with a shared attention norm, tanh GELU, head bias, tied
+by hand) on 1×2×1. Loss, logits and every parameter's gradient are compared, and
+``dense_state_dict`` loads into LitGPT's model with ``strict=True``.
+
+The reference is LitGPT's model with two float64 adjustments that leave the model the same:
+LitGPT builds its RoPE tables in float32 (``build_rope_cache``'s ``.float()``), so both models get
+the exact float64 tables (LitGPT's own are checked to float32 precision); LitGPT's ``RMSNorm``
+computes in float32, so the reference's norms are swapped for ``nn.RMSNorm`` (same weight, eps).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import harness
+import pytest
+import torch
+import torch.nn.functional as F
+from checks import assert_close, on_grids, rel, seed_for
+from torch import nn
+
+pytest.importorskip("litgpt")
+
+B, S = 4, 8
+V, PADDED = 60, 62  # LitGPT pads to 62; grids with px·py = 4 pad to 64
+GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2), (2, 2, 1)]  # in a world of 4: dp = 4, 2, 2, 1, 1
+F64 = torch.float64
+F32_TOL = 1e-6
+
+COMMON = dict(block_size=16, n_layer=2, n_embd=32, n_head=4, vocab_size=V, padded_vocab_size=PADDED)
+CONFIGS = {
+    "pythia": dict(COMMON, parallel_residual=True, norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP",
+                   rotary_percentage=0.5, bias=True),
+    "llama": dict(COMMON, n_query_groups=2, parallel_residual=False, norm_class_name="RMSNorm", norm_eps=1e-5,
+                  mlp_class_name="LLaMAMLP", intermediate_size=48, rotary_percentage=1.0, bias=False),
+    "phi": dict(COMMON, parallel_residual=True, shared_attention_norm=True, norm_class_name="LayerNorm",
+                mlp_class_name="GptNeoxMLP", gelu_approximate="tanh", rotary_percentage=0.5, bias=True, lm_head_bias=True),
+}
+
+
+def exact_rope(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """LitGPT's RoPE tables (``build_rope_cache`` without adjustments) computed in float64."""
+    n, base = model.config.rope_n_elem, model.config.rope_base
+    theta = 1.0 / base ** (torch.arange(0, n, 2, dtype=F64) / n)
+    angles = torch.outer(torch.arange(model.max_seq_length, dtype=F64), theta).repeat(1, 2)
+    return angles.cos(), angles.sin()
+
+
+def litgpt_model(name: str, seed: int = 1, tied: bool = False) -> nn.Module:
+    """LitGPT's GPT in float64, every parameter moved off its init, with exact RoPE tables."""
+    from litgpt import Config
+    from litgpt.model import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(Config(**CONFIGS[name])).to(F64)
+    if tied:
+        model.lm_head.weight = model.transformer.wte.weight
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.cos, model.sin = exact_rope(model)
+    return model
+
+
+def float64_reference(model: nn.Module) -> nn.Module:
+    """A copy whose RMSNorms compute in float64 (LitGPT's cast to float32 first)."""
+    from litgpt.model import RMSNorm
+
+    ref = copy.deepcopy(model)
+    for name, module in list(ref.named_modules()):
+        if isinstance(module, RMSNorm):
+            norm = nn.RMSNorm(module.weight.shape[0], eps=module.eps, dtype=F64)
+            norm.weight = module.weight
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent), child, norm)
+    return ref
+
+
+def equivalence(grid, name: str, tied: bool = False) -> dict:
+    from litgpt.model import GPT
+
+    from lightning_3d import dense_state_dict, gather_activation, parallelize
+    from lightning_3d.litgpt import cross_entropy
+
+    dense = litgpt_model(name, tied=tied)
+    ref = float64_reference(dense)
+    torch.manual_seed(seed_for(grid, 2))
+    ids = torch.randint(0, PADDED, (B, S))
+    targets = torch.randint(0, PADDED, (B, S))
+    targets[0, 2] = targets[3, 5] = -100
+    ref_logits = ref(ids)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ref_loss.backward()
+    own_rope = GPT(dense.config).rope_cache()  # LitGPT's float32 tables
+
+    model = parallelize(dense, grid=grid)  # in place
+    logits = model(ids)
+    loss = cross_entropy(model, logits, targets)
+    loss.backward()
+    full = gather_activation(logits.detach(), "y", grid)
+    errs = {"loss": rel(loss.detach(), ref_loss.detach()), "logits": rel(full[..., :PADDED], ref_logits.detach()),
+            "padded_logits_lowest": float(not (full[..., PADDED:] == torch.finfo(F64).min).all()),
+            "f32_rope": max(rel(own.double(), exact) for own, exact in zip(own_rope, exact_rope(dense)))}
+    weights = dense_state_dict(model)
+    original = GPT(dense.config).to(F64)
+    original.load_state_dict(weights, strict=True)
+    errs["state_dict"] = max(rel(weights[k], p) for k, p in ref.state_dict().items())
+    original.cos, original.sin = exact_rope(original)
+    errs["reloaded_logits"] = rel(float64_reference(original)(ids), ref_logits.detach())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.grad)
+    grads = dense_state_dict(model)
+    errs.update({"d" + k: rel(grads[k], p.grad) for k, p in ref.named_parameters()})
+    return {f"{name}_{k}": e for k, e in errs.items()}
+
+
+def sweep_job(grid) -> dict:
+    return {k: e for name in ("pythia", "llama") for k, e in equivalence(grid, name).items()}
+
+
+def assert_within_tolerances(results: list) -> None:
+    """Float64 errors below 1e-10; LitGPT's float32 RoPE tables (``f32_``) below 1e-6."""
+    assert_close([{g: {k: e for k, e in errs.items() if "f32_" not in k} for g, errs in r.items()} for r in results])
+    assert_close([{g: {k: e for k, e in errs.items() if "f32_" in k} for g, errs in r.items()} for r in results], F32_TOL)
+
+
+def test_litgpt_models_equal_litgpt_on_grids():
+    assert_within_tolerances(harness.run(4, on_grids, GRIDS, sweep_job))
+
+
+def refusals(grid) -> dict:
+    """Each unsupported config or call raises a ValueError naming it (0: raised as expected), before the model changes."""
+    from litgpt import Config
+    from litgpt.model import GPT
+
+    from lightning_3d import parallelize
+    from lightning_3d.parallel import find_plan
+
+    def built(**changes) -> nn.Module:
+        return GPT(Config(**{**CONFIGS["llama"], **changes}))
+
+    def message(fn) -> str:
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    plain = parallelize(litgpt_model("llama"), grid=grid)
+    ids = torch.randint(0, V, (B, S))
+    moe = built(mlp_class_name="LLaMAMoE", n_expert=2, n_expert_per_token=1, moe_intermediate_size=16)
+    expected = {
+        "moe": (lambda: parallelize(moe, grid=grid), "mlp_class_name='LLaMAMoE'"),
+        "sliding_window": (lambda: parallelize(built(sliding_window_size=4), grid=grid), "sliding_window_size=None"),
+        "unit_offset_norm": (lambda: parallelize(built(name="Gemma-tiny"), grid=grid), "transformer.h.0.norm_1"),
+        "softcapping": (lambda: parallelize(built(final_logit_softcapping=30.0), grid=grid), "final_logit_softcapping"),
+        "query_groups": (lambda: parallelize(built(n_query_groups=1), grid=grid), "1 query groups (key/value heads)"),
+        "kv_cache": (lambda: plain(ids, input_pos=torch.arange(S)), "keeps no KV cache"),
+        "batch": (lambda: plain(ids[:1]), "multiple of lcm(px·py, px·pz) = 2"),
+    }
+    errs = {k: float(needle not in message(fn)) for k, (fn, needle) in expected.items()}
+    errs["moe_untouched"] = float(type(moe.transformer.wte) is not nn.Embedding)
+    errs["found_by_class"] = float(find_plan(built()).rules["lm_head"].__class__.__name__ != "LMHead")
+    return errs
+
+
+def conversion(grid) -> dict:
+    """LitGPT's converter to Hugging Face gives the same tensors from the parallelized model's export as from
+    LitGPT's own; a sharded checkpoint's dense export (``to_dense``) is LitGPT's state dict."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from litgpt.scripts.convert_lit_checkpoint import convert_lit_checkpoint
+    from litgpt.utils import save_config
+
+    from lightning_3d import checkpoint as ckpt
+    from lightning_3d import dense_state_dict, parallelize
+
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    folder = Path(folder[0])
+    errs = {}
+    for name in ("pythia", "llama"):
+        dense = litgpt_model(name)
+        original = copy.deepcopy(dense).state_dict()
+        model = parallelize(dense, grid=grid)
+        weights = dense_state_dict(model)
+        ckpt.save(folder / f"{name}.ckpt", {"state_dict": ckpt.model_state(model, grid)}, grid, model)
+        if dist.get_rank():
+            continue
+        exported = ckpt.to_dense(folder / f"{name}.ckpt")
+        errs[f"{name}_to_dense"] = max(rel(exported[k], t) for k, t in original.items())
+        converted = {}
+        for source, state in (("ours", weights), ("litgpt", original)):
+            lit = folder / name / source
+            lit.mkdir(parents=True)
+            torch.save(state, lit / "lit_model.pth")
+            save_config(dense.config, lit)
+            convert_lit_checkpoint(lit, lit / "hf")
+            converted[source] = torch.load(lit / "hf" / "model.pth", weights_only=True)
+        ours, theirs = converted["ours"], converted["litgpt"]
+        errs[f"{name}_hf_keys"] = float(sorted(ours) != sorted(theirs))
+        errs[f"{name}_hf_tensors"] = max(rel(ours[k], theirs[k]) for k in theirs)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder)
+    return errs
+
+
+def features_job(grid) -> dict:
+    errs = equivalence(grid, "phi", tied=True)
+    errs.update({f"refused_{k}": e for k, e in refusals(grid).items()})
+    errs.update(conversion(grid))
+    return errs
+
+
+def test_phi_like_tied_refusals_and_conversion():
+    """A Phi-like tied model equals LitGPT's; unsupported configs and calls are refused; LitGPT's converter
+    reads the export."""
+    assert_within_tolerances(harness.run(4, on_grids, [(1, 2, 1)], features_job))
