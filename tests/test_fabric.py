@@ -138,3 +138,69 @@ def test_to_dense_exports_a_fabric_checkpoint(runs, dense, tmp_path):
     model.load_state_dict(torch.load(out), strict=True)
     err = max(float((p - dense["state"][k]).abs().max()) for k, p in model.state_dict().items())
     assert err < 1e-12, f"the dense export of F1 differs from DenseGPT trained 3 steps by {err:.2e}"
+
+
+# ----- stops, registration and the command line: worlds of 2, all started at once -----
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> dict:
+    """The preempted and the killed worlds of 2 (both Fabric namespaces imported before lightning_3d) and ``fabric run``
+    of 2 (lightning_3d first), side by side."""
+    out = tmp_path_factory.mktemp("fabric_stops")
+    procs, logs = {}, {}
+    for mode in ("preempt", "kill"):
+        (out / mode).mkdir()
+        procs[mode], logs[mode] = worlds.start(SCRIPTS / "stops.py", 2, out / mode, (mode, str(out / mode)))
+    (out / "cli").mkdir()
+    commands = {"cli": [sys.executable, "-m", "lightning_3d.strategy.fabric_cli", "run", "--accelerator", "cpu", "--devices", "2",
+                        "--strategy", "tensor3d", "--main-port", str(worlds.free_port()), str(SCRIPTS / "cli_run.py"), str(out / "cli")]}
+    for name, args in commands.items():
+        logs[name] = [out / f"{name}.log"]
+        with open(logs[name][0], "w") as log:
+            procs[name] = [subprocess.Popen(args, env=worlds.env(), stdout=log, stderr=subprocess.STDOUT)]
+    hung = worlds.wait([p for ps in procs.values() for p in ps], timeout=300)
+    assert not hung, f"processes {hung} still ran after 300 s"
+    return {"out": out, "status": {name: [p.returncode for p in ps] for name, ps in procs.items()},
+            "log": {name: [worlds.tail(f, 60) for f in files] for name, files in logs.items()}}
+
+
+def test_fabric_run_takes_the_strategy_by_name_registered_in_both_namespaces(launched):
+    """``lightning_3d`` imported first registers ``"tensor3d"`` in both Fabric namespaces as they are imported (and
+    ``stops.py``, which imports them first, at once)."""
+    assert launched["status"]["cli"] == [0], launched["log"]["cli"][0]
+    recs = common.read_records(launched["out"] / "cli", "cli")
+    assert len(recs) == 2 and all(r["registered"] == [True, True] and r["grid"] == [2, 1, 1] and r["world"] == 2 for r in recs)
+    assert all(r["strategy"] == "lightning_3d.strategy.fabric.Tensor3DFabricStrategy" for r in recs)
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(launched):
+    out, log = launched["out"] / "preempt", launched["log"]["preempt"]
+    assert launched["status"]["preempt"] == [128 + signal.SIGTERM] * 2, log
+    signalled = float((out / "signalled_at").read_text())
+    took = max(float((out / f"exit.rank{r}").read_text()) for r in range(2)) - signalled
+    assert took < 30, f"the ranks took {took:.0f} s to stop after the signal"
+    assert ckpt.is_complete(out / "preempted")
+    assert ckpt.load_meta(out / "preempted")["step"] == 4  # signalled after step 2's vote: agreed at step 4's
+    assert "rank 1 received SIGTERM; every rank stopped at check_preemption call 5" in log[0] and "fabric.load(" in log[0], log[0]
+
+
+def test_a_killed_rank_stops_the_others_within_seconds(launched):
+    out, log = launched["out"] / "kill", launched["log"]["kill"]
+    assert launched["status"]["kill"][0] not in (0, None), log[0]
+    took = float((out / "exit.rank0").read_text()) - float((out / "killed_at").read_text())
+    assert took < 30, f"rank 0 took {took:.0f} s to fail after rank 1 died (timeout 60 s)"
+
+
+def test_arguments_and_precisions_are_checked_early():
+    """Refused at construction, or at ``Fabric(...)`` before any process starts (the grid against the devices)."""
+    import lightning.fabric as L
+    from lightning.fabric.plugins.precision import FSDPPrecision
+
+    from lightning_3d import Tensor3DFabricStrategy
+
+    for bad in [{"grid": (2, 2)}, {"data_parallel_size": 0}, {"zero_stage": 2}, {"timeout": 0}, {"plan": "gpt"}, {"options": {}},
+                {"precision": FSDPPrecision("bf16-mixed")}, {"bucket_cap": 1}]:
+        with pytest.raises(ValueError):
+            Tensor3DFabricStrategy(**bad)
+    with pytest.raises(ValueError, match="world size 4 is not divisible by px·py·pz = 3"):
+        L.Fabric(accelerator="cpu", devices=4, strategy=Tensor3DFabricStrategy(grid=(3, 1, 1)))

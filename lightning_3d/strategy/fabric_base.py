@@ -373,7 +373,7 @@ class Tensor3DFabricMixin(GridStrategy):
         path = self.checkpoint_on_preemption
         if path is not None:
             self.save_checkpoint(path, state)
-        message = stop_message(signum, rank, f"step {self._steps} (the {self._steps}th check_preemption)", path,
+        message = stop_message(signum, rank, f"check_preemption call {self._steps}", path,
                                resume="fabric.load({path!r}, state)", strategy="Tensor3DFabricStrategy")
         if self.global_rank == 0:
             print(message, file=sys.stderr, flush=True)
