@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-EXAMPLES = ["train_gpt.py", "train_gpt_deepspeed.py", "quickstart_lightning.py", "finetune_hf.py"]
+EXAMPLES = ["train_gpt.py", "train_gpt_deepspeed.py", "quickstart_lightning.py", "finetune_hf.py", "fabric_litgpt.py"]
 
 
 @pytest.mark.parametrize("example", EXAMPLES)

@@ -1,6 +1,6 @@
 """LitGPT's ``litgpt.model.GPT`` through ``parallelize`` with its built-in plan, against LitGPT's own model.
 
-A world of 4 sweeps 1×1×1 (dp 4), 2×1×1 (dp 2), 1×2×1 (dp 2), 1×2×2 and 2×2×1 with two tiny
+A world of 4 sweeps 1×1×1 (dp 4), 2×1×1 (dp 2), 1×2×2 and 2×2×1 with two tiny
 configs built with ``litgpt.Config``, in float64:
 
 - Pythia-like: parallel residual, LayerNorm, GELU (``GptNeoxMLP``), partial rotary (half of each
@@ -9,8 +9,10 @@ configs built with ``litgpt.Config``, in float64:
   biases, full rotary, sequential residual, untied head;
 
 and a Phi-like config (parallel residual with a shared attention norm, tanh GELU, head bias, tied
-by hand) on 1×2×1. Loss, logits and every parameter's gradient are compared, and
-``dense_state_dict`` loads into LitGPT's model with ``strict=True``.
+by hand) on 1×2×1 (dp 2). Loss, logits and every parameter's gradient are compared, and
+``dense_state_dict`` loads into LitGPT's model with ``strict=True``. The example
+(``examples/fabric_litgpt.py``) trains, resumes and exports in a world of 2; the benchmark
+(``benchmarks/litgpt_fabric.py``) runs its CPU smoke mode.
 
 The reference is LitGPT's model with two float64 adjustments that leave the model the same:
 LitGPT builds its RoPE tables in float32 (``build_rope_cache``'s ``.float()``), so both models get
@@ -21,7 +23,11 @@ computes in float32, so the reference's norms are swapped for ``nn.RMSNorm`` (sa
 from __future__ import annotations
 
 import copy
-import math
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import harness
 import pytest
@@ -34,7 +40,7 @@ pytest.importorskip("litgpt")
 
 B, S = 4, 8
 V, PADDED = 60, 62  # LitGPT pads to 62; grids with px·py = 4 pad to 64
-GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2), (2, 2, 1)]  # in a world of 4: dp = 4, 2, 2, 1, 1
+GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 2, 1)]  # in a world of 4: dp = 4, 2, 1, 1
 F64 = torch.float64
 F32_TOL = 1e-6
 
@@ -168,10 +174,17 @@ def refusals(grid) -> dict:
         "softcapping": (lambda: parallelize(built(final_logit_softcapping=30.0), grid=grid), "final_logit_softcapping"),
         "query_groups": (lambda: parallelize(built(n_query_groups=1), grid=grid), "1 query groups (key/value heads)"),
         "kv_cache": (lambda: plain(ids, input_pos=torch.arange(S)), "keeps no KV cache"),
+        "set_kv_cache": (lambda: plain.set_kv_cache(B), "keeps no KV cache"),
         "batch": (lambda: plain(ids[:1]), "multiple of lcm(px·py, px·pz) = 2"),
     }
     errs = {k: float(needle not in message(fn)) for k, (fn, needle) in expected.items()}
     errs["moe_untouched"] = float(type(moe.transformer.wte) is not nn.Embedding)
+    targets = torch.randint(0, V, (B, S))
+    from lightning_3d.litgpt import cross_entropy
+
+    chunks = plain(ids, lm_head_chunk_size=3)  # LitGPT's chunks of the sequence, each a y-layout block
+    errs["lm_head_chunks"] = float(len(chunks) != 3) + rel(cross_entropy(plain, chunks, targets).detach(),
+                                                          cross_entropy(plain, plain(ids), targets).detach())
     errs["found_by_class"] = float(find_plan(built()).rules["lm_head"].__class__.__name__ != "LMHead")
     return errs
 
@@ -232,3 +245,38 @@ def test_phi_like_tied_refusals_and_conversion():
     """A Phi-like tied model equals LitGPT's; unsupported configs and calls are refused; LitGPT's converter
     reads the export."""
     assert_within_tolerances(harness.run(4, on_grids, [(1, 2, 1)], features_job))
+
+
+ROOT = Path(__file__).parent.parent
+
+
+def _run(*cmd: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    run = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                         text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
+def test_fabric_example_trains_resumes_and_exports(tmp_path):
+    """``examples/fabric_litgpt.py`` in a world of 2 (1×2×1): two steps with a checkpoint, a resumed third, and an
+    export that LitGPT's ``GPT`` loads strictly."""
+    from litgpt import Config
+    from litgpt.model import GPT
+
+    common = ["examples/fabric_litgpt.py", "--devices", "2", "--grid", "1,2,1", "--seq-len", "16", "--batch-size", "2",
+              "--max-bytes", "100000", "--save-every", "2", "--log-every", "1", "--out", str(tmp_path)]
+    first = _run(*common, "--max-steps", "2").stdout
+    assert "step     2/2" in first and "step-000002" in first, first[-2000:]
+    second = _run(*common, "--max-steps", "3", "--resume").stdout
+    assert "at step 2" in second and "step     3/3" in second and "step     2/3" not in second, second[-2000:]
+    model = GPT(Config.from_file(tmp_path / "final" / "model_config.yaml"))
+    model.load_state_dict(torch.load(tmp_path / "final" / "lit_model.pth", weights_only=True), strict=True)
+
+
+def test_benchmark_cpu_smoke(tmp_path):
+    """``benchmarks/litgpt_fabric.py --cpu``: both cases time their steps and start from the same weights."""
+    _run("benchmarks/litgpt_fabric.py", "--cpu", "--no-compile", "--steps", "1", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "litgpt_fabric.json").read_text())
+    single, grid = (next(r for r in report["runs"] if r["case"] == case) for case in ("single", "tensor3d"))
+    assert single["tokens_per_s"] > 0 and grid["tokens_per_s"] > 0 and report["tensor3d_over_single"]["tokens_per_s"] > 0
+    assert abs(single["losses"][0] - grid["losses"][0]) < 1e-5 * single["losses"][0], (single["losses"], grid["losses"])
