@@ -1,4 +1,4 @@
-"""The peers of the whole-job benchmark: torchtitan's Transformer and parallelisms, rebuilt from PyTorch.
+"""The peers of the benchmark: torchtitan's Transformer and parallelisms, rebuilt from PyTorch.
 
 torchtitan itself is not used (it is not installed with the GPUs' torch); its recipe is rebuilt
 here from PyTorch's public APIs, as torchtitan applies it (``parallelize_llama``):
@@ -16,9 +16,13 @@ here from PyTorch's public APIs, as torchtitan applies it (``parallelize_llama``
   (model and loss) do by default.
 - **async TP**: ``torch._inductor.config._micro_pipeline_tp = True`` and symmetric memory on the
   TP group, with compile.
-- **FSDP2** (``apply_fsdp``): ``fully_shard`` per block, then the root, with
-  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; on a 2-D mesh after TP; the blocks
-  resharded after forward as torchtitan's default does, or not (its ``reshard_after_forward="never"``).
+- **FSDP2** (``apply_fsdp``): ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``;
+  ``fully_shard`` on the token embedding (with GPT-2's learned positions), on each block, on
+  ``[norm, output]`` together, then on the root, each a unit of its own, as torchtitan's current
+  ``apply_fsdp`` shards them; on a 2-D mesh after TP. With its default policy the embedding and
+  the blocks free their gathered weights after forward and ``[norm, output]`` keeps them (FSDP
+  would gather them again at once for backward); ``reshard=False`` is its ``"never"``: no unit
+  frees them (ZeRO-2's traffic, no all-gather in backward).
 - **DDP**: ``DistributedDataParallel`` over the world.
 
 Mixed precision as torchtitan does it: FSDP's policy where FSDP shards, ``torch.autocast``
@@ -206,17 +210,19 @@ def apply_compile(model: PeerGPT) -> None:
 
 
 def apply_fsdp(model: PeerGPT, dp_mesh, reduce_dtype: torch.dtype = torch.float32, reshard: bool = True) -> None:
-    """torchtitan's ``apply_fsdp``: ``fully_shard`` per block, then the root; bf16 compute, ``reduce_dtype``
-    reductions (torchtitan's default float32; its ``mixed_precision_reduce`` setting picks bf16). Each
-    block but the last frees its gathered weights after forward and gathers them again in backward
-    (torchtitan's default ``reshard_after_forward``); ``reshard=False`` keeps every block's (its
-    ``"never"``: ZeRO-2's traffic, no all-gather in backward); the root reshards either way."""
+    """torchtitan's ``apply_fsdp``: the embeddings, each block and ``[norm, output]`` units of their own,
+    then the root; bf16 compute, ``reduce_dtype`` reductions (torchtitan's default float32; its
+    ``mixed_precision_reduce`` setting picks bf16). ``reshard``: its default policy (the embedding
+    and the blocks freed after forward, ``[norm, output]`` kept); ``False``: its ``"never"``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if dp_mesh.device_type == "cuda" else None
     kwargs = {"mesh": dp_mesh} | ({"mp_policy": policy} if policy is not None else {})
-    for i, layer in enumerate(model.layers):
-        fully_shard(layer, reshard_after_forward=reshard and i < len(model.layers) - 1, **kwargs)
+    embeddings = [m for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
+    fully_shard(embeddings, reshard_after_forward=reshard, **kwargs)
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+    fully_shard([model.norm, model.output], reshard_after_forward=False, **kwargs)
     fully_shard(model, **kwargs)
 
 

@@ -1,8 +1,10 @@
-"""The user's whole training job: 3-D tensor parallelism against torchtitan's recipes, DDP and FSDP2.
+"""The benchmark: the user's whole training job, 3-D tensor parallelism against torchtitan's recipes, DDP and FSDP2.
 
-Launch one process per GPU: ``torchrun --nproc_per_node N benchmarks/train_job.py --model gpt2-1.3b
---out DIR`` (``benchmarks/run_job.sh`` runs both models on 4 GPUs, NVLink or ``NCCL_P2P_DISABLE=1``).
-``--cpu`` runs tiny models on gloo in float32: the smoke test of CI (``tests/test_benchmarks.py``).
+One process per GPU runs the cases it is given, in order: ``torchrun --nproc_per_node N
+benchmarks/train_job.py --model gpt2-1.3b --cases "3d 4x1x1 compile;fsdp2 compile" --out DIR``.
+``benchmarks/launch.py`` is how a comparison is run: each case in a process of its own, the order
+rotated between repeats, then the medians and ranges (``report.py``). ``--cpu`` runs tiny models
+on gloo in float32: the smoke test of CI (``tests/test_benchmarks.py``).
 
 Every case trains the same model (one set of weights: ``DenseGPT``'s init, seed 0) on the same
 data (random tokens, seed 1) with the same global batch for a fixed number of steps, each step the
@@ -24,7 +26,7 @@ gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defa
   became ``prefetch_depth=4, gathered_together=4, grads_at_end=True``, a case without these words
   ran ``ahead2 together1 early``; result files record each case's fields.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
-  sequence parallelism, each block and the loss compiled, async TP (``peers_job.py``: torchtitan's recipe).
+  sequence parallelism, each block and the loss compiled, async TP (``peers.py``: torchtitan's recipe).
 - ``fsdp2`` (``compile``): FSDP2 over every GPU; ``fsdp2-tp DxT`` (``compile``): FSDP2 over D × TP+SP over T;
   either with ``noreshard``: no block's weights freed after forward (torchtitan's
   ``reshard_after_forward="never"``, ZeRO-2: no all-gather in backward, the gathered weights held).
@@ -53,13 +55,18 @@ max over ranks), the first step's time (compilation included) and the loss of th
 steps (mean over the global batch). Each result also lists rank 0's step times (``step_ms_each``)
 and how long its host took to issue each step (``host_ms_each``; every step starts on an idle GPU,
 so a host time near the step time means the host sets the pace), and each rank's median host time
-(``host_ms_by_rank``). On CUDA the first case runs once untimed before the timed cases,
-so that none starts cold. Results go to ``DIR/job_w{N}_{model}[_L{layers}]_{links}.json`` after every
-case, so a run stopped by its time budget keeps what it measured. ``--append`` adds this process's
-cases to that file (the same job only: its ``meta`` stays, this process's date, command and matmul
-rate go to ``meta["appended"]``): one process per case, so that no case inherits another's
-communicators, compiled code or allocator state (cases of one process moved each other by up to 27%
-at GPT-2 1.4B on 4 GPUs).
+(``host_ms_by_rank``). Every case is warmed up alike: built and run for one step untimed, then
+built again and run ``--warmup`` untimed steps before its timed ones (a case's first run in a
+process ran up to 1.3× slow at GPT-2 1.4B). ``--count-bytes`` adds one more step whose
+collectives are counted (``comm_bytes.SentBytes``): the bytes each rank sent, by collective and
+group size (``sent_bytes_by_rank``), and for 3-D cases the cost model's prediction of the same
+bytes (``predicted_sent_bytes``, :func:`lightning_3d.cost.sent_bytes`). Results go to
+``DIR/job_w{N}_{model}[_L{layers}]_{links}.json`` after every case, so a run stopped by its time
+budget keeps what it measured. ``--append`` adds this process's cases to that file (the same job
+only: its ``meta`` stays, this process's date, command and matmul rate go to
+``meta["appended"]``): ``launch.py`` runs one process per case so that no case inherits
+another's communicators, compiled code or allocator state (cases of one process moved each other
+by up to 27% at GPT-2 1.4B on 4 GPUs).
 """
 
 from __future__ import annotations
@@ -86,11 +93,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import comm_bytes  # noqa: E402
 import measure  # noqa: E402
-import peers_job  # noqa: E402
+import peers  # noqa: E402
 import lightning_3d  # noqa: E402
 from lightning_3d.grad_norm import clip_grad_norm_  # noqa: E402
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig  # noqa: E402
-from lightning_3d.cost import Machine, ModelShape, measure_machine  # noqa: E402
+from lightning_3d.cost import Machine, ModelShape, measure_machine, sent_bytes  # noqa: E402
 from lightning_3d.strategy import grid_rules  # noqa: E402
 
 DEFAULTS = lightning_3d.RuntimeOptions()
@@ -291,13 +298,13 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
 
 
 def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:
-    """A peer of ``peers_job.py``: torchtitan's order (TP, compile, FSDP), its mixed precision and clipping."""
+    """A peer of ``peers.py``: torchtitan's order (TP, compile, FSDP), its mixed precision and clipping."""
     import torch._inductor.config as inductor_config
     from torch.distributed.tensor.parallel import loss_parallel
 
     world, kind = run.world, method.kind
-    model = peers_job.PeerGPT(config, device=run.device)
-    model.load_state_dict(peers_job.peer_state_dict(dense, config))
+    model = peers.PeerGPT(config, device=run.device)
+    model.load_state_dict(peers.peer_state_dict(dense, config))
     inductor_config._micro_pipeline_tp = False
     tp_mesh = dp_mesh = None
     if kind in ("tp", "tp-sp"):
@@ -308,16 +315,16 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
         mesh = run.mesh(method.dp, method.tp)
         dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]
     if tp_mesh is not None and tp_mesh.size() > 1:
-        peers_job.apply_tp(model, tp_mesh, sequence_parallel=kind != "tp")
+        peers.apply_tp(model, tp_mesh, sequence_parallel=kind != "tp")
         if method.async_tp:
-            peers_job.enable_async_tp(tp_mesh)
+            peers.enable_async_tp(tp_mesh)
     if method.checkpointing:
-        peers_job.apply_ac(model)
+        peers.apply_ac(model)
     if method.compile:
         torch.compiler.reset()
-        peers_job.apply_compile(model)
+        peers.apply_compile(model)
     if dp_mesh is not None:
-        peers_job.apply_fsdp(model, dp_mesh, torch.bfloat16 if method.half_grads else torch.float32, method.reshard)
+        peers.apply_fsdp(model, dp_mesh, torch.bfloat16 if method.half_grads else torch.float32, method.reshard)
     params = list(model.parameters())
     if kind == "ddp" and world > 1:
         model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device])
@@ -326,14 +333,14 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
     optimizer = fused_adamw(params, run)
     sharded_logits = tp_mesh is not None and tp_mesh.size() > 1
     precision = contextlib.nullcontext() if dp_mesh is not None else run.autocast()
-    loss_fn = peers_job.compiled_cross_entropy() if method.compile else peers_job.cross_entropy
+    loss_fn = peers.compiled_cross_entropy() if method.compile else peers.cross_entropy
 
     def step(ids, targets):
         with loss_parallel() if sharded_logits else contextlib.nullcontext():
             with precision:
                 loss = loss_fn(model(ids), targets)
             loss.backward()
-        peers_job.clip_grad_norm_(params, CLIP)
+        peers.clip_grad_norm_(params, CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
@@ -358,12 +365,24 @@ def profiled_labels(option: str, text: str, methods: list[Method], world: int) -
     return named
 
 
+def model_shape(config: GPTConfig, batch: int, seq: int) -> ModelShape:
+    """The cost model's view of ``config`` trained on ``batch`` sequences of ``seq`` tokens a step."""
+    return ModelShape(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden,
+                      kv_heads=config.n_kv_head, gated=config.style == "llama", vocab=config.vocab_size)
+
+
+def predicted_bytes(method: Method, config: GPTConfig, batch: int, seq: int, cpu: bool) -> dict:
+    """The bytes the cost model says each rank sends in one step of a 3-D case: float32 operands on
+    CPU, bf16 under autocast; the dp reduction in float32, or half with ``bf16grad``."""
+    operands = 4 if cpu else 2
+    return sent_bytes(model_shape(config, batch, seq), method.grid, method.dp, save_gathered=method.save_gathered,
+                      element_bytes=operands, grad_bytes=2 if method.half_grads else 4)
+
+
 def resolve_auto(run: Run, method: Method, config: GPTConfig, batch: int, seq: int, machine: Machine) -> Method:
     """``3d auto``: the grid and dp ``Tensor3DStrategy(grid="auto", model_shape=..., machine=...)`` resolves to,
     the whole job priced on the ``machine`` measured at the start."""
-    shape = ModelShape(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden,
-                       kv_heads=config.n_kv_head, gated=config.style == "llama", vocab=config.vocab_size)
-    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, shape, method.async_tp, machine, method.half_grads,
+    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, model_shape(config, batch, seq), method.async_tp, machine, method.half_grads,
                                   method.grads_at_end)
     return dataclasses.replace(method, grid=tuple(grid), dp=dp)
 
@@ -499,7 +518,9 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=1e9, help="start no case that would end after this many seconds")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--append", action="store_true",
-                        help="add the cases to the file an earlier process of the same job wrote (one process per case: run_job.sh with ISOLATE=1)")
+                        help="add the cases to the file an earlier process of the same job wrote (one process per case: launch.py)")
+    parser.add_argument("--count-bytes", action="store_true",
+                        help="one more step per case, the bytes each rank sends counted from its collectives")
     args = parser.parse_args()
     cpu = args.cpu
     dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(seconds=600))
@@ -542,7 +563,7 @@ def main() -> None:
             "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""),
             "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
             "gpu_GiB": None if cpu else torch.cuda.get_device_properties(run.device).total_memory / 2**30, "warmup": warmup, "steps": steps,
-            "model": name, "config": dataclasses.asdict(config), "params": n_params, "batch": batch, "seq": seq,
+            "warm_run_steps": 1, "model": name, "config": dataclasses.asdict(config), "params": n_params, "batch": batch, "seq": seq,
             "tokens_per_step": batch * seq, "flops_per_step": flops, "matmul_tflops": matmul,
             "precision": "fp32 (cpu)" if cpu else "bf16 mixed, fp32 master weights", "optimizer": f"AdamW lr {LR} wd {WEIGHT_DECAY}, fused",
             "clip": CLIP, "machine": machine.rates()}
@@ -557,11 +578,6 @@ def main() -> None:
     done: dict[str, dict] = {}
     cost = {False: 20.0 if not cpu else 1.0, True: 45.0 if not cpu else 1.0}  # seconds a case takes: a guess, then the most measured
     measured: set[bool] = set()
-    if not cpu and methods and not (methods[0].kind == "3d" and methods[0].grid is None):
-        # The first case of a process ran up to 1.3× slow at GPT-2 1.4B (4×1×1: 178.8 ms first, 141.3 ms
-        # repeated last): run it once untimed, so that every timed case starts warm.
-        run_case(run, methods[0], config, dense_cpu, data, batch, seq, 1, 1)
-        run.log(f"  warm-up: {methods[0].label} once, not recorded")
     for method in methods:
         label = method.label
         entry = {"case": label}
@@ -584,8 +600,9 @@ def main() -> None:
         t0 = time.perf_counter()
         error = None
         try:
+            run_case(run, method, config, dense_cpu, data, batch, seq, 0, 1)  # the warm run: untimed, not recorded
             result = run_case(run, method, config, dense_cpu, data, batch, seq, warmup, steps, profile=label in profiled,
-                              host_profile=label in python_profiled)
+                              host_profile=label in python_profiled, count_bytes=args.count_bytes)
         except Exception as e:  # a case that fails (out of memory, a peer's limits) is recorded, the rest still run
             error = f"{type(e).__name__}: {str(e)[:400]}"
             result = {}
@@ -596,6 +613,8 @@ def main() -> None:
             s = result["step_ms"] / 1e3
             result.update(tokens_per_s=batch * seq / s, tflops_per_gpu=flops / s / run.world / 1e12,
                           mfu=flops / s / run.world / (matmul * 1e12))
+            if args.count_bytes and method.kind == "3d" and not method.checkpointing:  # recomputed collectives: not priced
+                result["predicted_sent_bytes"] = predicted_bytes(method, config, batch, seq, cpu)
         spent = time.perf_counter() - t0
         cost[method.compile] = max(cost[method.compile], spent) if method.compile in measured else spent
         measured.add(method.compile)

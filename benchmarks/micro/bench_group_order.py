@@ -8,7 +8,7 @@ make attention's heads and SwiGLU's input from it, each ``torch.compile``d, forw
 - ``swiglu``: gate and up as views ``[..., px, ffn/px]`` of the product, against a dense ``[N, 2·ffn]``
   output chunked in two (what a model with a packed ``nn.Linear`` runs).
 
-``python benchmarks/bench_group_order.py`` (CUDA, bf16, one layer at Llama shapes on 3d 2×1×1)
+``python benchmarks/micro/bench_group_order.py`` (CUDA, bf16, one layer at Llama shapes on 3d 2×1×1)
 prints ms a call; ``--cpu`` runs tiny shapes in float32 and checks that both orders agree.
 """
 
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_3d.models.attention import apply_rope, rope_tables  # noqa: E402
 

@@ -1,6 +1,6 @@
 """How long the host takes to issue each call a 3-D product makes: µs per call, rank 0.
 
-Launch two processes (``torchrun --nproc_per_node 2 benchmarks/host_calls.py --out DIR``; gloo on
+Launch two processes (``torchrun --nproc_per_node 2 benchmarks/micro/host_calls.py --out DIR``; gloo on
 CPU without a GPU). On grid 2×1×1 at width 256 (``--width``: the GPU's work is negligible, the
 host's is not) each call runs 300 times after 30 untimed; the host's time per call is measured, the
 GPU synchronised only after. Calls: a product's custom op (``torch.ops.lightning_3d.matmul3d`` and
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import lightning_3d  # noqa: E402
 from lightning_3d import comm  # noqa: E402

@@ -7,7 +7,7 @@ either group needs), as :mod:`lightning_3d.ops.packed_elementwise` runs it (a ba
 writes the packed gradient in one pass), and on separate tensors, as a dense model with one product
 per group runs it (no packed gradient: the reference); the GPU's time, and the wall time, which
 at these sizes the host's launches set. One GPU: ``python
-benchmarks/packed_elementwise.py --out DIR``; defaults are a Llama-7B block's local shapes on
+benchmarks/micro/packed_elementwise.py --out DIR``; defaults are a Llama-7B block's local shapes on
 2×1×1 (4 sequences of 2048 tokens, 32 heads of 128 over 8 key/value heads, ffn 11008). ``--cpu``:
 the same cases at tiny shapes on CPU, wall time only (a smoke test).
 """
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_3d.models.attention import apply_rope, rope_tables  # noqa: E402
 from lightning_3d.ops.packed_elementwise import packed_rope, packed_swiglu  # noqa: E402

@@ -4,7 +4,7 @@ Each rank of a gloo world (one process per rank) builds the model, then parallel
 grid; the peak resident set (Linux ``VmHWM``, reset just before ``parallelize`` through
 ``/proc/self/clear_refs``) is compared with the dense model's size and this rank's shards.
 
-    python benchmarks/parallelize_memory.py --grid 2 2 1 --layers 8 --width 1024
+    python benchmarks/micro/parallelize_memory.py --grid 2 2 1 --layers 8 --width 1024
 """
 
 from __future__ import annotations

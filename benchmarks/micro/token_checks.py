@@ -23,8 +23,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [BENCHMARKS, os.path.dirname(BENCHMARKS)]  # the whole-job tool, the project
 
 import measure  # noqa: E402
 import train_job  # noqa: E402
