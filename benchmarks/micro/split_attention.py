@@ -17,7 +17,9 @@ Each form's time (CUDA events, warm-up excluded, median of repeats) is reported 
 fastest causal SDPA over the whole sequence (the default backend and each fused backend that runs),
 with its max abs difference to that SDPA's output and gradients in the input dtype and its output's
 max abs error against a float32 reference (the SDPA's own error beside it, to tell a form's
-rounding from the kernel's); each first call runs on memory filled with NaN. JSON on stdout and in ``--out``. ``--cpu``: tiny shapes on CPU, float32
+rounding from the kernel's); each first call runs on memory filled with NaN. ``kernel_ms``: the
+sum of the kernels' times of one call (``torch.profiler``), which shows where many small calls
+leave the GPU waiting for the host. JSON on stdout and in ``--out``. ``--cpu``: tiny shapes on CPU, float32
 (a smoke test).
 
     PYTHONPATH=. python benchmarks/micro/split_attention.py --out DIR
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -127,6 +130,15 @@ def median_ms(step, warmup: int, repeats: int, cuda: bool) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_ms(step) -> float:
+    """The GPU's time in one call of ``step``: the sum of its kernels' times (``torch.profiler``),
+    which launches the host cannot issue fast enough do not inflate."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0) / 1e3
+
+
 def run_case(seq_len: int, kv_heads: int, ranks_list, forms, args, device, dtype) -> list[dict]:
     cuda = device.type == "cuda"
     b, h, d = args.batch, args.heads, args.head_dim
@@ -173,6 +185,8 @@ def run_case(seq_len: int, kv_heads: int, ranks_list, forms, args, device, dtype
         if base is None:
             base = {"out": y.detach(), "grads": [t.grad for t in (lq, lk, lv)], "name": backend}
         row["ms"] = median_ms(dense, warmup, repeats, cuda)
+        if cuda:
+            row["kernel_ms"] = kernel_ms(dense)
         rows.append(row)
         del lq, lk, lv, y
     base_ms = min(r["ms"] for r in rows if "ms" in r)
@@ -226,6 +240,7 @@ def run_case(seq_len: int, kv_heads: int, ranks_list, forms, args, device, dtype
             row["ms"] = median_ms(timed, warmup, repeats, cuda)
             row["ratio"] = row["ms"] / base_ms
             if cuda:
+                row["kernel_ms"] = kernel_ms(timed)
                 row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 torch.cuda.reset_peak_memory_stats()
             rows.append(row)

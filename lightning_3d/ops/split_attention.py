@@ -174,13 +174,15 @@ class _ZigZagAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         length = q.shape[2] // 2
-        dout = dout.contiguous()
+        # each chunk's rows of dout, out and lse, contiguous as the kernels' backwards take them
+        rows = [slice(slot * length, (slot + 1) * length) for slot in range(2)]
+        chunk = [[t[:, :, r].contiguous() for t in (dout, out, lse)] for r in rows]
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for (slot, start, end, causal), state in zip(ctx.blocks, ctx.states):
-            rows = slice(slot * length, (slot + 1) * length)
-            grads = _block_backward(ctx.kernel, dout[:, :, rows], q[:, :, rows], k[:, :, start:end], v[:, :, start:end],
-                                    out[:, :, rows], lse[:, :, rows].contiguous(), causal, ctx.scale, state)
-            for total, grad, span in zip((dq, dk, dv), grads, (rows, slice(start, end), slice(start, end))):
+            dout_c, out_c, lse_c = chunk[slot]
+            grads = _block_backward(ctx.kernel, dout_c, q[:, :, rows[slot]], k[:, :, start:end], v[:, :, start:end],
+                                    out_c, lse_c, causal, ctx.scale, state)
+            for total, grad, span in zip((dq, dk, dv), grads, (rows[slot], slice(start, end), slice(start, end))):
                 total[:, :, span] += grad
         return dq, dk, dv, None, None, None
 
