@@ -24,6 +24,10 @@ pick among the measured grids against the measured fastest; exits 1 past ``--tol
 ``--bytes FILES`` (runs with ``--count-bytes``): the bytes each case's ranks sent in a step, by
 collective, and for 3-D cases the cost model's prediction of them.
 
+``--standings FILES``: one table per model, GPU count and link setting: every method's median
+tokens/s, MFU and peak memory over the files (processes) that ran it, its ratio to the best peer's
+median, and the runs, card, date and commit they came from (what ``docs/benchmarks.md`` shows).
+
 ``--plot OUT.svg FILES``: tokens/s per method and GPU count, one panel per model (the best case of
 each method in each file, the median over files of one model and GPU count); an SVG written here,
 no plotting library needed.
@@ -257,6 +261,43 @@ def sent_bytes(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------ the standings
+
+
+def standings(paths: list[str]) -> str:
+    """Per (model, GPUs, links): each case's medians over the files that ran it, against the best peer."""
+    groups: dict[tuple[str, int, str], dict[str, list[tuple[dict, dict, str]]]] = {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        meta = data["meta"]
+        for c in data["cases"]:
+            if "tokens_per_s" in c:
+                key = (meta["model"], meta["world"], meta.get("links", "nvlink"))
+                groups.setdefault(key, {}).setdefault(c["case"], []).append((c, meta, os.path.basename(os.path.dirname(path))))
+    out = []
+    for (model, world, links), by_case in sorted(groups.items()):
+        tokens = {case: statistics.median(c["tokens_per_s"] for c, _, _ in runs) for case, runs in by_case.items()}
+        peers = [case for case in by_case if _is_peer(case)]
+        best_peer = max(peers, key=tokens.get) if peers else None
+        out += [f"{model}, {world} GPU{'s' if world > 1 else ''}, {links}", "",
+                "| method | tokens/s | MFU | peak GiB | vs best peer | runs | card | date | commit |", "|---|---|---|---|---|---|---|---|---|"]
+        for case in sorted(by_case, key=lambda k: -tokens[k]):
+            runs = by_case[case]
+            t = [c["tokens_per_s"] for c, _, _ in runs]
+            peaks = [c["peak_GiB"] for c, _, _ in runs]
+            spread = f" ({min(t):,.0f}–{max(t):,.0f})" if len(t) > 1 else ""
+            peak = f"{statistics.median(peaks):.2f}" + (f" ({min(peaks):.2f}–{max(peaks):.2f})" if len(set(peaks)) > 1 else "")
+            ratio = f"{tokens[case] / tokens[best_peer]:.3f}×" if best_peer else "–"
+            metas = [m for _, m, _ in runs]
+            name = case + (f" (= {runs[0][0]['picks']})" if "picks" in runs[0][0] else "")
+            out.append(f"| {name} | {tokens[case]:,.0f}{spread} | {statistics.median(c['mfu'] for c, _, _ in runs):.1%} | {peak} | {ratio} "
+                       f"| {', '.join(sorted({r for _, _, r in runs}))} | {metas[0]['device']} "
+                       f"| {', '.join(sorted({m['date'][:10] for m in metas}))} | {', '.join(sorted({m.get('commit') or '–' for m in metas}))} |")
+        out.append("")
+    return "\n".join(out)
+
+
 # ------------------------------------------------------------------ the plot
 
 FAMILIES = (("3-D (best grid)", lambda w: w[0] == "3d"), ("FSDP2 no resharding", lambda w: w[0] == "fsdp2" and "noreshard" in w),
@@ -340,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--largest", action="store_true", help="the most layers each case trains, from runs at several --layers")
     what.add_argument("--planner", action="store_true", help="the cost model against every measured 3d case")
     what.add_argument("--bytes", action="store_true", help="the bytes each case's ranks sent (runs with --count-bytes)")
+    what.add_argument("--standings", action="store_true", help="every method's medians against the best peer, per model, GPUs and links")
     what.add_argument("--plot", metavar="OUT.svg", help="tokens/s per method and GPU count, an SVG")
     parser.add_argument("--title", default="", help="the plot's title")
     parser.add_argument("--tol", type=float, default=0.15, help="--planner: the step-time error past which it exits 1")
@@ -355,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         print(largest(args.files))
     elif args.bytes:
         print(sent_bytes(args.files))
+    elif args.standings:
+        print(standings(args.files))
     elif args.plot:
         with open(args.plot, "w") as f:
             f.write(plot_svg(args.files, args.title))

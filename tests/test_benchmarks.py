@@ -93,6 +93,8 @@ def test_benchmark_smoke_and_sent_bytes_on_two_ranks(tmp_path):
     assert "| job_w2_tiny-gpt2_nvlink.json | fsdp2 noreshard |" in report.sent_bytes([path]).replace(str(tmp_path.name) + "/", "")
     text, _ = report.planner([path])  # CPU steps against an H200-calibrated model: the plumbing, not the error
     assert "| 3d 2x1x1 |" in text and "points: worst step-time error" in text
+    standings = report.standings([path])
+    assert "tiny-gpt2, 2 GPUs, nvlink" in standings and "| 1.000× |" in standings and "| 3d auto (= 3d " in standings
     svg = report.plot_svg([path], "smoke")
     assert svg.startswith("<svg") and svg.count("<rect") >= 6 and "3-D (best grid)" in svg and "FSDP2 no resharding" in svg
 
