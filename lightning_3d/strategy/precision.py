@@ -2,7 +2,8 @@
 
 - Clipping by norm uses the model's global norm (:mod:`lightning_3d.grad_norm`), not the norm
   of this rank's shards: :class:`GlobalNormClipping`, mixed into a subclass of each of Lightning's
-  plugins that the strategy supports (defined beside the strategy class of each namespace).
+  plugins that the Trainer strategy supports (defined beside the strategy class of each
+  namespace). Fabric's strategy clips itself and takes Fabric's own plugins (:func:`fabric_precision`).
 - An fp16 loss scaler decides "overflow, skip this step" for all ranks together: each rank sees
   only its shards' gradients, and a rank that steps while another skips leaves the model torn
   (:func:`agreed_scaler`).

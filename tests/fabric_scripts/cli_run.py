@@ -23,14 +23,14 @@ import common  # noqa: E402
 
 common.quiet()
 
-from lightning_3d.models import DenseGPT  # noqa: E402
+from lightning_3d.models import GPT3D  # noqa: E402
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     fabric = Fabric()
     torch.manual_seed(common.INIT_SEED)
-    with fabric.init_module(empty_init=True):
-        model = DenseGPT(common.config())
+    with fabric.init_module():  # made of 3-D layers already: setup takes it as it is
+        model = GPT3D(common.config())
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=common.LR))
     tokens = common.Tokens().data[: common.GLOBAL_BATCH]
     loss = model(tokens[:, :-1], tokens[:, 1:])

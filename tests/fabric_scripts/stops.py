@@ -44,7 +44,7 @@ def main(mode: str, out: Path) -> None:
     fabric.launch()
     atexit.register(lambda: (out / f"exit.rank{fabric.global_rank}").write_text(str(time.time())))
     torch.manual_seed(common.INIT_SEED)
-    with fabric.init_module(empty_init=True):
+    with fabric.init_module():  # materialised: parallelize shards its weights
         model = DenseGPT(common.config())
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=common.LR))
     loader = fabric.setup_dataloaders(DataLoader(common.Tokens(), batch_size=common.GLOBAL_BATCH, shuffle=True))

@@ -16,7 +16,7 @@ order in every run. Each run writes ``OUT/<run>.rank<r>.json``; test_fabric.py j
   ``setup_optimizers``; loads ``OUT/F1``, trains 3 steps.
 - T ``Trainer`` (``lightning.pytorch``), 1×2×2: a LightningModule holding GPT3D as ``self.model``,
   ``fit(ckpt_path=OUT/F1)``, 3 steps; its checkpoint ``OUT/T/epoch=0.ckpt``.
-- F3 ``lightning_fabric``, 1×1×1 dp 4: loads ``OUT/T/epoch=0.ckpt``, trains 3 steps.
+- F3 ``lightning_fabric``, 1×1×1 dp 4, the plan given to the strategy: loads ``OUT/T/epoch=0.ckpt``, trains 3 steps.
 """
 
 import importlib
@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_3d.grad_norm import grad_norm
-from lightning_3d.models import GPT3D, DenseGPT
+from lightning_3d.models import GPT3D, DenseGPT, gpt_plan
 
 STEPS = common.N_SEQ // common.GLOBAL_BATCH
 
@@ -160,7 +160,7 @@ def world4(out: Path) -> None:
                save=out / "F1", micro_batches=2)
     fabric_run("lightning.fabric", out, "F2", "tensor3d", load=out / "F1", separately=True)
     trainer_run(out, "T", Tensor3DStrategy(grid=(1, 2, 2)), out / "F1")
-    fabric_run("lightning_fabric", out, "F3", FabricStrategyOfLightningFabric(grid=(1, 1, 1), data_parallel_size=4),
+    fabric_run("lightning_fabric", out, "F3", FabricStrategyOfLightningFabric(grid=(1, 1, 1), data_parallel_size=4, plan=gpt_plan(common.config())),
                load=out / "T" / "epoch=0.ckpt", loaded=("model", "optimizer"))
 
 
