@@ -1,7 +1,7 @@
 """The built-in plan of LitGPT's ``litgpt.model.GPT``, registered by its qualified class name.
 
-Covered: the structure of Llama 2/3, TinyLlama, Mistral (without a sliding window), Pythia, Phi-1.5/2
-and Phi-3: fused ``qkv`` with grouped queries, RoPE (partial rotary included), parallel residual
+Covered: the structure of Llama 2/3, TinyLlama, Mistral (without a sliding window), Pythia, Phi-1.5,
+Phi-2, Phi-3.5-mini and Phi-4 (the configs :func:`check_litgpt` passes): fused ``qkv`` with grouped queries, RoPE (partial rotary included), parallel residual
 (with or without a shared attention norm), LayerNorm / RMSNorm, GELU (``GptNeoxMLP``) and SwiGLU
 (``LLaMAMLP``) MLPs, biases, a tied or untied head over the padded vocabulary. The rest is refused
 by :func:`check_litgpt` naming the module or config field and the fix.
@@ -52,8 +52,9 @@ class QueryGroupedQKV(Linear):
 
     def build(self, name, module, grid, options):
         layer = super().build(name, module, grid, options)
-        layer.dense_row_order = {n: order for n in ("weight", "bias") if getattr(layer, n, None) is not None
-                                 for order in [self.dense_order(layer.out_features)]}
+        block, order = self.dense_order(layer.out_features)
+        if list(order) != sorted(order):  # one query head per key/value head, or one key/value head: the same order
+            layer.dense_row_order = {n: (block, order) for n in ("weight", "bias") if getattr(layer, n, None) is not None}
         return layer
 
     def dense_order(self, out_features: int) -> tuple[int, tuple[int, ...]]:
