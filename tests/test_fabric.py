@@ -5,11 +5,10 @@ process per rank (see its docstring for the runs F1, F2, T, F3), ``stops.py`` in
 the preemption and the killed rank, and ``cli_run.py`` by ``fabric run`` (torchrun).
 """
 
-import json
+import math
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
 
 import common
 import worlds
-from side_by_side import run_side_by_side
 
 from lightning_3d import checkpoint as ckpt
 from lightning_3d.models import DenseGPT
@@ -153,7 +151,7 @@ def launched(tmp_path_factory) -> dict:
         procs[mode], logs[mode] = worlds.start(SCRIPTS / "stops.py", 2, out / mode, (mode, str(out / mode)))
     (out / "cli").mkdir()
     commands = {"cli": [sys.executable, "-m", "lightning_3d.strategy.fabric_cli", "run", "--accelerator", "cpu", "--devices", "2",
-                        "--strategy", "tensor3d", "--main-port", str(worlds.free_port()), str(SCRIPTS / "cli_run.py"), str(out / "cli")]}
+                        "--strategy", "tensor3d", "--precision", "bf16-mixed", "--main-port", str(worlds.free_port()), str(SCRIPTS / "cli_run.py"), str(out / "cli")]}
     for name, args in commands.items():
         logs[name] = [out / f"{name}.log"]
         with open(logs[name][0], "w") as log:
@@ -170,7 +168,8 @@ def test_fabric_run_takes_the_strategy_by_name_registered_in_both_namespaces(lau
     assert launched["status"]["cli"] == [0], launched["log"]["cli"][0]
     recs = common.read_records(launched["out"] / "cli", "cli")
     assert len(recs) == 2 and all(r["registered"] == [True, True] and r["grid"] == [2, 1, 1] and r["world"] == 2 for r in recs)
-    assert all(r["strategy"] == "lightning_3d.strategy.fabric.Tensor3DFabricStrategy" for r in recs)
+    assert all(r["strategy"] == "lightning_3d.strategy.fabric.Tensor3DFabricStrategy" and r["precision"] == "MixedPrecision"
+               and math.isfinite(r["loss"]) for r in recs)
 
 
 def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(launched):
@@ -179,6 +178,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(laun
     signalled = float((out / "signalled_at").read_text())
     took = max(float((out / f"exit.rank{r}").read_text()) for r in range(2)) - signalled
     assert took < 30, f"the ranks took {took:.0f} s to stop after the signal"
+    assert [len(common.read_records(out, "steps")[r]["loss"]) for r in range(2)] == [4, 4]
     assert ckpt.is_complete(out / "preempted")
     assert ckpt.load_meta(out / "preempted")["step"] == 4  # signalled after step 2's vote: agreed at step 4's
     assert "rank 1 received SIGTERM; every rank stopped at check_preemption call 5" in log[0] and "fabric.load(" in log[0], log[0]
@@ -187,6 +187,8 @@ def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(laun
 def test_a_killed_rank_stops_the_others_within_seconds(launched):
     out, log = launched["out"] / "kill", launched["log"]["kill"]
     assert launched["status"]["kill"][0] not in (0, None), log[0]
+    steps = common.read_records(out, "steps")[0]  # bf16-true: the model in bf16 trained until the kill
+    assert steps["dtype"] == "torch.bfloat16" and len(steps["loss"]) >= 2 and all(map(math.isfinite, steps["loss"])), steps
     took = float((out / "exit.rank0").read_text()) - float((out / "killed_at").read_text())
     assert took < 30, f"rank 0 took {took:.0f} s to fail after rank 1 died (timeout 60 s)"
 

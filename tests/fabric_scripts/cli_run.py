@@ -1,4 +1,4 @@
-"""Driver: a script that ``fabric run --strategy tensor3d --accelerator cpu --devices 2`` launches (torchrun).
+"""Driver: a script that ``fabric run --strategy tensor3d --accelerator cpu --devices 2 --precision bf16-mixed`` launches.
 
 ``lightning_3d`` is imported first, without importing Lightning; ``"tensor3d"`` is then registered
 in both Fabric namespaces. ``Fabric()`` takes the strategy, accelerator and devices from the
@@ -38,6 +38,6 @@ if __name__ == "__main__":
     opt.step()
     registered = [lightning_3d.strategy.register(ns) is L.strategies.STRATEGY_REGISTRY["tensor3d"]["strategy"]
                   for ns, L in (("lightning.fabric", sys.modules["lightning.fabric"]), ("lightning_fabric", lightning_fabric))]
-    record = {"registered": registered, "strategy": f"{type(fabric.strategy).__module__}.{type(fabric.strategy).__name__}", "grid": list(fabric.strategy.grid.shape), "world": fabric.world_size,
+    record = {"registered": registered, "precision": type(fabric.strategy.precision).__name__, "strategy": f"{type(fabric.strategy).__module__}.{type(fabric.strategy).__name__}", "grid": list(fabric.strategy.grid.shape), "world": fabric.world_size,
               "loss": fabric.all_reduce(loss.detach(), reduce_op="mean").item()}
     (out / f"cli.rank{fabric.global_rank}.json").write_text(json.dumps(record))

@@ -151,8 +151,6 @@ def trainer_run(out: Path, name: str, strategy, ckpt_path: Path) -> None:
 
 
 def world4(out: Path) -> None:
-    import lightning.fabric  # noqa: F401  (lightning_3d first: "tensor3d" registered as Fabric is imported)
-
     from lightning_3d import Tensor3DFabricStrategy, Tensor3DStrategy
     from lightning_3d.strategy.lightning_fabric import Tensor3DFabricStrategy as FabricStrategyOfLightningFabric
 
