@@ -5,7 +5,7 @@
 - :func:`initialize`: ``deepspeed.initialize`` reading ``"tensor3d": {"grid": [px, py, pz]}``.
 - :func:`init_grid_from_config`: the grid of a config, to build the model on before ``initialize``.
 - :func:`tag_grad_norm_params`: the parameter tags that make DeepSpeed's gradient norm exact.
-- :func:`save_checkpoint` / :func:`load_checkpoint`: the engine's, with the grid layout saved and checked.
+- :func:`save_checkpoint` / :func:`load_checkpoint`: the engine's, with the model's sharding record saved and checked.
 - :func:`to_dense` / ``python -m deepspeed_3d.checkpoint to-dense``: a checkpoint's dense state dict.
 - ``"tensor3d_deepspeed"``: the Lightning strategy (:mod:`deepspeed_3d.strategy`), registered
   when Lightning is imported; ``Tensor3DDeepSpeedStrategy`` is the class of ``lightning.pytorch``

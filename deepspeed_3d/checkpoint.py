@@ -4,8 +4,8 @@ DeepSpeed writes one set of files per model-parallel (cube) rank ``r``: ``mp_ran
 (ZeRO-3: ``zero_pp_rank_{d}_mp_rank_{r:02d}_model_states.pt``) and, under ZeRO, one
 ``*zero_pp_rank_{d}_mp_rank_{r:02d}_optim_states.pt`` per dp rank ``d``. Each cube rank's full-precision
 shards come from DeepSpeed's own ``zero_to_fp32`` reader (fp32 master weights) run on that rank's
-files alone, or from the module state without ZeRO; the layout the engine saved in the checkpoint
-(:mod:`deepspeed_3d.layout`) then places every shard in the global tensor.
+files alone, or from the module state without ZeRO; the sharding record the engine saved in the checkpoint
+(:mod:`deepspeed_3d.sharding_record`) then places every shard in the global tensor.
 
 DeepSpeed unpickles its files with ``weights_only=False``. So before anything reads a tag, every
 ``*.pt`` file of it is read once with weights-only unpickling (:func:`check_files`), allowing only
@@ -25,12 +25,14 @@ from typing import Any
 import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-from lightning_3d.checkpoint import CheckpointError, global_to_dense, root_info, save_dense
+from lightning_3d.checkpoint import CheckpointError, root_info, save_dense
 from lightning_3d.checkpoint.untrusted import load_weights_only
+from lightning_3d.dense_twin import global_to_dense
 from lightning_3d.grid import Grid
+from lightning_3d.models.config import GPTConfig
 from lightning_3d.sharding import assemble_tensor
 
-from .layout import LAYOUT_KEY, layout_specs
+from .sharding_record import RECORD_KEY, record_specs
 
 
 def tag_dir(checkpoint_dir: str | Path, tag: str | None = None) -> Path:
@@ -48,12 +50,13 @@ def tag_dir(checkpoint_dir: str | Path, tag: str | None = None) -> Path:
 
 
 def deepspeed_globals() -> list:
-    """The DeepSpeed types its checkpoint files hold (loss scalers, the ZeRO stage, fragment addresses)."""
+    """The DeepSpeed types its checkpoint files hold (loss scalers, the ZeRO stage, fragment addresses), and
+    the library's model config (a LightningModule's hyper-parameter in the client state)."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, GPTConfig]
 
 
 def load_file(file: Path) -> Any:
@@ -68,8 +71,8 @@ def check_files(path: Path) -> None:
         load_file(file)
 
 
-def read_layout(path: Path) -> dict | None:
-    """The grid layout saved in checkpoint directory ``path`` (a tag's), or None when it has none.
+def read_record(path: Path) -> dict | None:
+    """The sharding record saved in checkpoint directory ``path`` (a tag's), or None when it has none.
 
     Every file of the tag is checked first (:func:`check_files`), so a DeepSpeed load that follows
     reads only files that name nothing outside the allowlist.
@@ -79,7 +82,7 @@ def read_layout(path: Path) -> dict | None:
         raise CheckpointError(f"{path} holds no DeepSpeed model-states file (*mp_rank_00_model_states.pt)")
     check_files(path)
     state = load_file(files[0])
-    return state.get(LAYOUT_KEY) if isinstance(state, dict) else None
+    return state.get(RECORD_KEY) if isinstance(state, dict) else None
 
 
 def rank_state_dict(path: Path, mp_rank: int) -> dict[str, torch.Tensor]:
@@ -96,15 +99,15 @@ def rank_state_dict(path: Path, mp_rank: int) -> dict[str, torch.Tensor]:
         return dict(get_fp32_state_dict_from_zero_checkpoint(tmp, path.name))
 
 
-def _offline_grid(layout: dict) -> Grid:
+def _offline_grid(record: dict) -> Grid:
     """A grid description without process groups: enough to place shards (sizes, coordinates)."""
-    return Grid(tuple(layout["grid"]), layout["data_parallel_size"], (0, 0, 0, 0), mesh=None, timeout=None, _groups={})
+    return Grid(tuple(record["grid"]), record["data_parallel_size"], (0, 0, 0, 0), mesh=None, timeout=None, _groups={})
 
 
 def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str | None = None) -> dict[str, torch.Tensor]:
     """The dense state dict of a DeepSpeed 3-D checkpoint, in one process (no process group needed).
 
-    Every file is read weights-only first (:func:`read_layout`); DeepSpeed's ZeRO reader follows.
+    Every file is read weights-only first (:func:`read_record`); DeepSpeed's ZeRO reader follows.
 
     Args:
         checkpoint_dir: the directory given to ``engine.save_checkpoint``.
@@ -114,20 +117,20 @@ def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str | N
             3-D model is ``self.model``), so the keys are the dense twin's.
     """
     path = tag_dir(checkpoint_dir, tag)
-    layout = read_layout(path)
-    if layout is None:
-        raise ValueError(f"{path} carries no {LAYOUT_KEY!r}: it was not saved by an engine of deepspeed_3d.initialize")
-    prefix = root_info(layout.get("dense_root"), prefix)["prefix"]
-    grid = _offline_grid(layout)
-    specs, dense_shapes, transposed = layout_specs(layout), layout["dense_shapes"], set(layout.get("dense_transposed", ()))
-    orders = layout.get("dense_row_orders", {})
+    record = read_record(path)
+    if record is None:
+        raise ValueError(f"{path} carries no {RECORD_KEY!r}: it was not saved by an engine of deepspeed_3d.initialize")
+    prefix = root_info(record.get("dense_root"), prefix)["prefix"]
+    grid = _offline_grid(record)
+    specs, dense_shapes, transposed = record_specs(record), record["dense_shapes"], set(record.get("dense_transposed", ()))
+    orders = record.get("dense_row_orders", {})
     shards = [rank_state_dict(path, r) for r in range(grid.cube_size)]
     out = {}
     for key, value in shards[0].items():
         if not key.startswith(prefix):
             continue
         spec = specs.get(key)
-        tied = layout.get("ties", {}).get(key, key)  # DeepSpeed lists a tied parameter under its first name only, on some ranks
+        tied = record.get("ties", {}).get(key, key)  # DeepSpeed lists a tied parameter under its first name only, on some ranks
         full = value if spec is None else assemble_tensor([shard.get(key, shard.get(tied)) for shard in shards], spec, grid)
         out[key[len(prefix):]] = global_to_dense(full, dense_shapes.get(key), key in transposed, orders.get(key))
     if not out:
@@ -145,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     dense.add_argument("--prefix", default=None, help="keep only keys starting with this and drop it; '' keeps every key; "
                        "default: the recorded prefix of the model, so the keys are its dense twin's")
     args = parser.parse_args(argv)
-    layout = read_layout(tag_dir(args.checkpoint, args.tag)) or {}
-    save_dense(to_dense(args.checkpoint, args.tag, args.prefix), args.output, root_info(layout.get("dense_root"), args.prefix))
+    record = read_record(tag_dir(args.checkpoint, args.tag)) or {}
+    save_dense(to_dense(args.checkpoint, args.tag, args.prefix), args.output, root_info(record.get("dense_root"), args.prefix))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_3d.parallel import set_options
 
-from .checkpoint import read_layout, tag_dir
+from .checkpoint import read_record, tag_dir
 from .config import (
     SECTION,
     async_tp,
@@ -21,7 +21,7 @@ from .config import (
     load_config,
 )
 from .grad_norm_tags import tag_grad_norm_params
-from .layout import LAYOUT_KEY, check_same_grid, model_layout
+from .sharding_record import RECORD_KEY, check_same_grid, sharding_record
 from .mpu import GridMPU
 from .precision import check_precision
 
@@ -40,7 +40,7 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     alone unless the config asks otherwise (:func:`~deepspeed_3d.config.keep_torch_linear`).
 
     Save and load its checkpoints with :func:`save_checkpoint` / :func:`load_checkpoint`, which
-    add the grid layout and check it.
+    add the model's sharding record and check it.
 
     Returns:
         What ``deepspeed.initialize`` returns: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
@@ -70,20 +70,20 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
 
 
 def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None, **kwargs):
-    """``engine.save_checkpoint`` with the grid layout in the client state (:mod:`deepspeed_3d.layout`).
+    """``engine.save_checkpoint`` with the model's sharding record in the client state (:mod:`deepspeed_3d.sharding_record`).
 
-    The layout lets :func:`~deepspeed_3d.checkpoint.to_dense` assemble the checkpoint without the
+    The record lets :func:`~deepspeed_3d.checkpoint.to_dense` assemble the checkpoint without the
     model, and :func:`load_checkpoint` refuse it on another grid. ``engine`` is one that
     :func:`initialize` made; the other arguments are ``engine.save_checkpoint``'s.
     """
-    client_state = {**(client_state or {}), LAYOUT_KEY: engine_layout(engine)}
+    client_state = {**(client_state or {}), RECORD_KEY: engine_record(engine)}
     return engine.save_checkpoint(save_dir, tag, client_state, **kwargs)
 
 
 def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None, **kwargs) -> tuple:
     """``engine.load_checkpoint``, refusing a checkpoint saved on another grid before DeepSpeed reads its shards.
 
-    Returns what ``engine.load_checkpoint`` returns, ``(path, client_state)``, without the layout.
+    Returns what ``engine.load_checkpoint`` returns, ``(path, client_state)``, without the record.
 
     Raises:
         ValueError: the checkpoint's grid differs from the engine's (DeepSpeed matches shards by rank).
@@ -91,20 +91,20 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
     check_checkpoint_grid(engine, load_dir, tag)
     path, client_state = engine.load_checkpoint(load_dir, tag, **kwargs)
     if client_state is not None:
-        client_state.pop(LAYOUT_KEY, None)
+        client_state.pop(RECORD_KEY, None)
     return path, client_state
 
 
-def engine_layout(engine) -> dict[str, Any]:
-    """The grid layout of the model of ``engine`` (made by :func:`initialize`)."""
+def engine_record(engine) -> dict[str, Any]:
+    """The sharding record of the model of ``engine`` (made by :func:`initialize`)."""
     if not isinstance(engine.mpu, GridMPU):
         raise ValueError("the engine was not made by deepspeed_3d.initialize (its mpu is not a GridMPU)")
-    return model_layout(engine.module, engine.mpu.grid)
+    return sharding_record(engine.module, engine.mpu.grid)
 
 
 def check_checkpoint_grid(engine, load_dir: str | os.PathLike, tag: str | None = None) -> None:
     """Raise ``ValueError`` when checkpoint ``tag`` of ``load_dir`` (default: ``latest``) was saved on another grid."""
     if tag is not None or (Path(load_dir) / "latest").is_file():  # else DeepSpeed finds nothing to load
-        saved = read_layout(tag_dir(load_dir, tag))
+        saved = read_record(tag_dir(load_dir, tag))
         if saved is not None:
-            check_same_grid(saved, engine_layout(engine))
+            check_same_grid(saved, engine_record(engine))

@@ -26,7 +26,7 @@ from torch import nn
 from lightning_3d import checkpoint as ckpt
 from lightning_3d.checkpoint import CheckpointError
 from lightning_3d.checkpoint.manifest import file_entry
-from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
+from lightning_3d.models import GPT3D, DenseGPT, GPTConfig, dense_gpt
 
 GRID = (2, 2, 1)
 
@@ -288,7 +288,7 @@ def test_to_dense_needs_no_prefix_and_carries_the_config(saved, tmp_path):
     path, dense = saved
     for out in [tmp_path / "dense.safetensors", tmp_path / "dense.pt"]:
         ckpt.main(["to-dense", str(path), str(out)])
-        model = ckpt.dense_gpt(out)
+        model = dense_gpt(out)
         assert model.config == config()
         assert_equal(model.state_dict(), dense, f"DenseGPT built from {out.name} alone")
     assert sorted(ckpt.to_dense(path, prefix="")) == sorted(["seen"] + [f"model.{k}" for k in dense])
@@ -314,6 +314,6 @@ def test_lightning_refuses_another_model_and_exports_without_prefix(tmp_path):
     assert record["steps_after_resume"] == 2, "fit(ckpt_path='last') did not resume after the first epoch's 2 steps"
     out = tmp_path / "dense.safetensors"
     ckpt.main(["to-dense", str(tmp_path / "first.ckpt"), str(out)])
-    model = ckpt.dense_gpt(out)
+    model = dense_gpt(out)
     assert model.config == GPTConfig(vocab_size=60, block_size=8, n_layer=2, n_head=2, n_embd=16)
     assert_equal(model.state_dict(), torch.load(tmp_path / "dense_state.pt"), "DenseGPT from a Lightning checkpoint's export")

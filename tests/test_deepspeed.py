@@ -249,7 +249,7 @@ def gpt_job(shape, stage, ckpt_root, grads_at_end=False):
         res["export_exact"] = all(torch.equal(exported[k], v.cpu()) for k, v in saved.items())
         # the command line writes the dense twin's keys and config: DenseGPT comes back from the file alone
         from deepspeed_3d.checkpoint import main as checkpoint_command
-        from lightning_3d.checkpoint import dense_gpt
+        from lightning_3d.models import dense_gpt
 
         checkpoint_command(["to-dense", ckpt, os.path.join(ckpt_root, f"gpt_zero{stage}.safetensors")])
         rebuilt = dense_gpt(os.path.join(ckpt_root, f"gpt_zero{stage}.safetensors")).state_dict()

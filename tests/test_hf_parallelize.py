@@ -135,7 +135,7 @@ def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def equivalence(grid, name: str) -> dict:
-    from lightning_3d.hf import hf_state_dict
+    from lightning_3d import dense_state_dict
     from lightning_3d.parallel import parallelize
 
     dense = perturbed(MODELS[name], 1)
@@ -156,7 +156,7 @@ def equivalence(grid, name: str) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.grad)
-    grads = hf_state_dict(model)
+    grads = dense_state_dict(model)
     errs.update({"d" + k: rel(grads[k], p.grad) for k, p in ref.named_parameters()})
     return {f"{name}_{k}": e for k, e in errs.items()}
 
@@ -237,7 +237,8 @@ def export(grid, folder: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from lightning_3d import checkpoint as ckpt
-    from lightning_3d.hf import checkpoint_to_pretrained, from_pretrained, hf_state_dict, save_pretrained
+    from lightning_3d import dense_state_dict
+    from lightning_3d.hf import checkpoint_to_pretrained, from_pretrained, save_pretrained
     from lightning_3d.parallel import parallelize
 
     errs = {}
@@ -248,11 +249,11 @@ def export(grid, folder: str) -> dict:
         ids = batch(grid, 5, False, False)["input_ids"]
         with torch.no_grad():
             logits = gather_activation(model(ids).logits, "y", grid)[..., :V]
-        state = hf_state_dict(model)
+        state = dense_state_dict(model)
         streamed = from_pretrained(f"{folder}/{name}", grid=grid, dtype=F64)  # back onto the grid, a tensor at a time
         with torch.no_grad():
             errs[f"{name}_from_pretrained_logits"] = rel(gather_activation(streamed(ids).logits, "y", grid)[..., :V], logits)
-        errs.update({f"{name}_from_pretrained_{k}": rel(t, state[k]) for k, t in hf_state_dict(streamed).items()})
+        errs.update({f"{name}_from_pretrained_{k}": rel(t, state[k]) for k, t in dense_state_dict(streamed).items()})
         if torch.distributed.get_rank() == 0:
             checkpoint_to_pretrained(f"{folder}/{name}.ckpt", f"{folder}/{name}_from_ckpt")
             for route in ("", "_from_ckpt"):
@@ -288,7 +289,7 @@ def deepspeed_step(grid) -> dict:
     norms and transformers' loss compute in float32 on both sides, so the tolerance is float32's)."""
     import deepspeed_3d
 
-    from lightning_3d.hf import hf_state_dict
+    from lightning_3d import dense_state_dict
     from lightning_3d.parallel import parallelize
 
     os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))  # DeepSpeed reads it; harness workers are not launched
@@ -309,7 +310,7 @@ def deepspeed_step(grid) -> dict:
     with torch.no_grad():
         for p in dense.parameters():
             p -= lr * p.grad
-    trained = hf_state_dict(engine.module)
+    trained = dense_state_dict(engine.module)
     errs = {"ds_f32_loss": rel(loss.detach(), losses[grid.coord("dp")].detach())}
     errs.update({f"ds_f32_update_{k}": rel(trained[k] - before[k], t - before[k]) for k, t in dense.state_dict().items()})
     return errs

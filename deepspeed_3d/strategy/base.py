@@ -12,7 +12,7 @@ what the grid needs:
 - the engine comes from :func:`deepspeed_3d.initialize` (mpu, grad-norm tags, batch check),
   for training and for validate/test/predict alike, so DeepSpeed's start-up broadcast stays
   inside the dp group;
-- checkpoints carry the grid layout, and one saved on another grid is refused before DeepSpeed
+- checkpoints carry the model's sharding record, and one saved on another grid is refused before DeepSpeed
   reads its shards;
 - ``configure_model`` runs without ``deepspeed.zero.Init``: ZeRO-3 partitions the 3-D shards
   over dp when the engine is made (``zero.Init`` would partition over the whole world);
@@ -39,8 +39,8 @@ from lightning_3d.strategy.resume import resume_point, skip_message
 from lightning_3d.strategy.summary import SummariseGlobally
 
 from ..config import SECTION, current_grid, grid_shape, init_grid_from_config
-from ..engine import check_checkpoint_grid, engine_layout, initialize
-from ..layout import LAYOUT_KEY
+from ..engine import check_checkpoint_grid, engine_record, initialize
+from ..sharding_record import RECORD_KEY
 
 
 class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, GridReplicas):
@@ -141,19 +141,19 @@ class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlob
                                          model=model, model_parameters=[], dist_init_required=False)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        """DeepSpeed's checkpoint, with the grid layout among the client state (not over the one this run resumed from)."""
+        """DeepSpeed's checkpoint, with the model's sharding record among the client state (not over the one this run resumed from)."""
         if resume_point(self.broadcast(str(filepath)), checkpoint) == self._resumed_from:
             if self.is_global_zero:
                 print(skip_message(filepath), flush=True)
             return
-        super().save_checkpoint({**checkpoint, LAYOUT_KEY: engine_layout(self.deepspeed_engine)}, filepath, storage_options)
+        super().save_checkpoint({**checkpoint, RECORD_KEY: engine_record(self.deepspeed_engine)}, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """DeepSpeed's load, after refusing a checkpoint of another grid."""
         if Path(checkpoint_path).is_dir():
             check_checkpoint_grid(self.deepspeed_engine, checkpoint_path)
         client_state = super().load_checkpoint(checkpoint_path, weights_only)
-        client_state.pop(LAYOUT_KEY, None)
+        client_state.pop(RECORD_KEY, None)
         self._resumed_from = resume_point(checkpoint_path, client_state)
         return client_state
 

@@ -19,18 +19,18 @@ Command line: ``python -m lightning_3d.checkpoint to-dense CKPT OUT.safetensors 
 """
 
 from .cli import main
-from .dense import dense_gpt, dense_info, global_to_dense, read_dense, reorder_rows, root_info, save_dense, to_dense
+from .dense import dense_info, read_dense, root_info, save_dense, to_dense
 from .files import LAYOUT_FILE, META_FILE, MODEL_KEY, RNG_DIR, CheckpointError, optimizer_key
 from .manifest import verify
 from .publish import is_complete, latest_complete
 from .rng import rng_state, set_rng_state
-from .saved_model import dense_root, dense_row_orders, dense_shapes, dense_transposed
+from .saved_model import dense_root
 from .store import load_meta, load_model_, load_optimizer_, load_rng_state, read_layout, save
 from .views import model_state, optimizer_state, parameter_names, sharded_view
 
 __all__ = [
-    "LAYOUT_FILE", "META_FILE", "MODEL_KEY", "RNG_DIR", "CheckpointError", "dense_gpt", "dense_info", "dense_root", "root_info",
-    "dense_row_orders", "dense_shapes", "dense_transposed", "global_to_dense", "is_complete", "latest_complete", "load_meta", "load_model_", "load_optimizer_",
-    "load_rng_state", "main", "model_state", "optimizer_key", "optimizer_state", "parameter_names", "read_dense", "reorder_rows",
+    "LAYOUT_FILE", "META_FILE", "MODEL_KEY", "RNG_DIR", "CheckpointError", "dense_info", "dense_root", "root_info",
+    "is_complete", "latest_complete", "load_meta", "load_model_", "load_optimizer_",
+    "load_rng_state", "main", "model_state", "optimizer_key", "optimizer_state", "parameter_names", "read_dense",
     "read_layout", "rng_state", "save", "save_dense", "set_rng_state", "sharded_view", "to_dense", "verify",
 ]

@@ -15,7 +15,6 @@ other name is ``torch.save`` of the state dict with the config in ``<file>.json`
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,41 +23,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import TensorStorageMetadata
 
+from ..dense_twin import global_to_dense
 from .files import LAYOUT_FILE, MODEL_KEY, CheckpointError
 from .store import verified_metadata
 from .untrusted import SafePlanner, SafeReader, load_weights_only
 
 DENSE_FORMAT = "lightning_3d.dense/1"
 INFO_KEY = "lightning_3d"
-
-
-def global_to_dense(full: torch.Tensor, shape: list[int] | None = None, transposed: bool = False,
-                    row_order: tuple[int, list[int]] | None = None) -> torch.Tensor:
-    """The dense twin's tensor of a global one: the leading rows that make up ``shape`` (drops padding;
-    default: all of them), reshaped to ``shape``; then its rows in the dense twin's order where
-    ``row_order`` is given (:func:`reorder_rows`); then, where ``transposed``, the 2-D result
-    transposed (a weight the dense twin stores ``[in, out]``, as Hugging Face's ``Conv1D``)."""
-    if shape is not None:
-        row = math.prod(full.shape[1:])
-        need = math.prod(shape)
-        if need % row or need // row > full.shape[0]:
-            raise ValueError(f"cannot make a dense tensor of shape {shape} from a global tensor of shape {list(full.shape)}")
-        full = full[: need // row].reshape(shape)
-    if row_order is not None:
-        full = reorder_rows(full, row_order)
-    return full.t().contiguous() if transposed else full
-
-
-def reorder_rows(t: torch.Tensor, row_order: tuple[int, list[int]], inverse: bool = False) -> torch.Tensor:
-    """``t``'s rows (dim 0) in blocks of ``block`` rows, ``row_order = (block, order)``: block ``k`` of the
-    result is block ``order[k]`` of ``t`` (the dense twin's order of a global tensor's rows, e.g.
-    LitGPT's query heads grouped by key/value head where the 3-D layer groups them by slot);
-    ``inverse``: the global order back from the dense one."""
-    block, order = row_order
-    index = torch.as_tensor(order, device=t.device)
-    if inverse:
-        index = torch.argsort(index)
-    return t.unflatten(0, (-1, block))[index].flatten(0, 1)
 
 
 def dense_info(path: str | Path, prefix: str | None = None) -> dict[str, Any]:
@@ -131,17 +102,3 @@ def read_dense(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
         return state, json.loads(info) if info else None
     side = Path(f"{path}.json")
     return load_weights_only(path), json.loads(side.read_text()) if side.is_file() else None
-
-
-def dense_gpt(path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
-    """A ``DenseGPT`` built and loaded from a ``to-dense`` file alone (its config travels with it)."""
-    from ..models import DenseGPT, GPTConfig
-
-    state, info = read_dense(path)
-    info = info or {}
-    if info.get("config_class") != GPTConfig.__name__ or info.get("config") is None:
-        raise CheckpointError(f"{path} carries no GPTConfig (it holds {info.get('model') or 'an unknown model'}, or was "
-                              f"written by an older to-dense); build the model yourself and load_state_dict the tensors")
-    model = DenseGPT(GPTConfig(**info["config"]), device=device, dtype=dtype)
-    model.load_state_dict(state)
-    return model

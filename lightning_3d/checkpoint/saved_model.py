@@ -5,7 +5,8 @@ checkpoint fits the model it is loaded into.
 shape of every key whose global tensor differs: GPT3D's padded vocabulary rows, fused weights
 viewed as groups), ``dense_transposed`` (the keys the dense twin stores transposed: Hugging Face
 ``Conv1D`` weights, ``[in, out]``), ``dense_row_orders`` (the keys whose dense twin orders the rows
-otherwise: LitGPT's grouped query heads) and ``dense_root``: the model inside the saved module (its
+otherwise: LitGPT's grouped query heads; all three as :mod:`lightning_3d.dense_twin` collects them)
+and ``dense_root``: the model inside the saved module (its
 state-dict ``prefix``, class and config, see :func:`dense_root`), so the dense twin's keys,
 layouts and hyper-parameters are known without the model.
 """
@@ -21,32 +22,6 @@ from ..sharding import get_spec
 from .files import CheckpointError
 
 _SHOWN = 6
-
-
-def dense_shapes(module: nn.Module) -> dict[str, list[int]]:
-    """Dense shapes declared by submodules (``dense_shapes`` attribute), under the module's state-dict keys."""
-    out = {}
-    for prefix, sub in module.named_modules():
-        declared = getattr(sub, "dense_shapes", None)
-        if isinstance(declared, dict):
-            out.update({(f"{prefix}.{k}" if prefix else k): list(shape) for k, shape in declared.items()})
-    return out
-
-
-def dense_transposed(module: nn.Module) -> list[str]:
-    """The state-dict keys whose dense tensor is the transpose of the (``dense_shapes``-shaped) global
-    one, as submodules declare them (``dense_transposed`` attribute: a weight the dense twin stores
-    ``[in, out]``), under the module's state-dict keys."""
-    return sorted(f"{prefix}.{k}" if prefix else k for prefix, sub in module.named_modules()
-                  for k in getattr(sub, "dense_transposed", ()))
-
-
-def dense_row_orders(module: nn.Module) -> dict[str, list]:
-    """``{key: [block, order]}``: the keys whose dense tensor holds the (``dense_shapes``-shaped) global
-    one's rows in another order, as submodules declare them (``dense_row_order`` attribute, ``{name:
-    (block, order)}``, see :func:`~lightning_3d.checkpoint.dense.reorder_rows`), under the module's state-dict keys."""
-    return {f"{prefix}.{k}" if prefix else k: [block, list(order)] for prefix, sub in module.named_modules()
-            for k, (block, order) in getattr(sub, "dense_row_order", {}).items()}
 
 
 def dense_root(module: nn.Module) -> dict[str, Any]:

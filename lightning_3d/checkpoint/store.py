@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -15,13 +15,14 @@ from torch import nn
 from torch.distributed.checkpoint import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from ..dense_twin import dense_row_orders, dense_shapes, dense_transposed
 from ..grid import Grid
 from ..sharding import get_spec
 from . import manifest
 from .files import DCP_METADATA, FORMAT, LAYOUT_FILE, META_FILE, MODEL_KEY, RNG_DIR, CheckpointError, optimizer_key, rng_file
 from .publish import publish, remove, staging_path
 from .rng import rng_state
-from .saved_model import check_fits, dense_root, dense_row_orders, dense_shapes, dense_transposed
+from .saved_model import check_fits, dense_root
 from .untrusted import SafePlanner, SafeReader, load_weights_only, read_dcp_metadata
 from .views import global_shapes, model_state, sharded_view
 
@@ -36,7 +37,7 @@ def _gather(value, failure: str | None, what: str) -> list:
     return [v for v, _ in gathered]
 
 
-def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None) -> None:
+def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None, allowed: Sequence[type]) -> None:
     """Write this rank's RNG file and, on rank 0, ``layout.json`` and ``meta.pt``."""
     rank = dist.get_rank()
     manifest.write_durably(staging / rng_file(rank), json.dumps(rng_state()).encode())
@@ -52,19 +53,20 @@ def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None
         torch.save(meta, buffer)
         manifest.write_durably(staging / META_FILE, buffer.getvalue())
         try:
-            load_weights_only(staging / META_FILE)
+            load_weights_only(staging / META_FILE, allowed=allowed)
         except CheckpointError as e:
             warnings.warn(f"this checkpoint's meta will load only when trusted: {e}", stacklevel=3)
 
 
-def save(path: str | Path, tensors: dict, grid: Grid, module: nn.Module, meta: dict | None = None) -> None:
+def save(path: str | Path, tensors: dict, grid: Grid, module: nn.Module, meta: dict | None = None,
+         allowed: Sequence[type] = ()) -> None:
     """Write a sharded checkpoint at ``path``, visible only once complete. Collective over the world.
 
     Args:
         tensors: ``{"state_dict": model_state(...), "optimizer_0": {"state": ...}, ...}`` (DCP).
         module: the saved module (its dense shapes and dense root go into ``layout.json``).
         meta: anything else to keep (``meta.pt``, read back with weights-only unpickling:
-            tensors, plain containers, numbers, strings).
+            tensors, plain containers, numbers, strings, and the classes in ``allowed``).
 
     Every rank writes into a hidden staging directory; after all ranks' files are on disk and
     hashed (``world_size`` ways) rank 0 writes the manifest and renames the directory to ``path``
@@ -84,7 +86,7 @@ def save(path: str | Path, tensors: dict, grid: Grid, module: nn.Module, meta: d
     _gather(None, failure, f"cannot save a checkpoint at {path}")
     dcp.save(tensors, checkpoint_id=staging)
     try:
-        _local_files(staging, grid, module, meta)
+        _local_files(staging, grid, module, meta, allowed)
     except OSError as e:
         failure = f"cannot write its files into {staging}: {e}"
     _gather(None, failure, f"no checkpoint was written at {path}")
@@ -112,15 +114,16 @@ def read_layout(path: str | Path) -> dict:
     return json.loads((path / LAYOUT_FILE).read_text())
 
 
-def load_meta(path: str | Path, trusted: bool = False) -> dict:
-    """The ``meta`` given to :func:`save`, checked against the manifest and read without running code.
+def load_meta(path: str | Path, trusted: bool = False, allowed: Sequence[type] = ()) -> dict:
+    """The ``meta`` given to :func:`save`, checked against the manifest and read without running code
+    (classes beyond plain data: those in ``allowed``).
 
     ``trusted=True`` allows any class in it (``torch.load(weights_only=False)``): only for a
     checkpoint the caller vouches for.
     """
     path = Path(path)
     manifest.verify(path, [META_FILE])
-    return load_weights_only(path / META_FILE, trusted=trusted)
+    return load_weights_only(path / META_FILE, trusted=trusted, allowed=allowed)
 
 
 def load_rng_state(path: str | Path, grid: Grid) -> dict:

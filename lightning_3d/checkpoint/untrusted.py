@@ -6,7 +6,8 @@ names. Every pickle a checkpoint holds is read here with an allowlist of harmles
 - DCP's ``.metadata`` by :class:`MetadataUnpickler` (DCP's own metadata types, ``torch.Size``,
   dtypes, layouts, memory formats, paths), through :class:`SafeReader`;
 - DCP's non-tensor entries and ``meta.pt`` by ``torch.load(weights_only=True)`` with
-  :func:`meta_globals` added (:func:`load_weights_only`, :class:`SafePlanner`).
+  :func:`meta_globals` added (:func:`load_weights_only`, :class:`SafePlanner`), and the classes a
+  caller allows (``allowed``: a model's config class among a LightningModule's hyper-parameters).
 
 A name outside the allowlist raises :class:`~.files.CheckpointError` naming the file and the name.
 """
@@ -17,6 +18,7 @@ import collections
 import io
 import pathlib
 import pickle
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +40,10 @@ METADATA_GLOBALS: dict[tuple[str, str], Any] = {(o.__module__, o.__qualname__): 
 memory formats are added by :meth:`MetadataUnpickler.find_class`)."""
 
 
-def meta_globals() -> list:
-    """Classes allowed in ``meta.pt`` and non-tensor DCP entries besides torch's weights-only defaults."""
-    from ..models.config import GPTConfig
-
-    return [GPTConfig, pathlib.PosixPath, pathlib.WindowsPath]
+def meta_globals(allowed: Sequence[type] = ()) -> list:
+    """Classes allowed in ``meta.pt`` and non-tensor DCP entries besides torch's weights-only defaults:
+    ``pathlib`` paths and the caller's ``allowed``."""
+    return [pathlib.PosixPath, pathlib.WindowsPath, *allowed]
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -102,15 +103,15 @@ class SafePlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, io.BytesIO(data))  # the same bytes: only the globals just allowed
 
 
-def load_weights_only(file: str | Path, trusted: bool = False) -> Any:
-    """``torch.load`` of ``file`` allowing tensors, plain containers and :func:`meta_globals` only.
+def load_weights_only(file: str | Path, trusted: bool = False, allowed: Sequence[type] = ()) -> Any:
+    """``torch.load`` of ``file`` allowing tensors, plain containers and :func:`meta_globals` (with ``allowed``) only.
 
     ``trusted=True`` unpickles anything: only for a file the caller vouches for.
     """
     try:
         if trusted:
             return torch.load(file, map_location="cpu", weights_only=False)
-        with torch.serialization.safe_globals(meta_globals()):
+        with torch.serialization.safe_globals(meta_globals(allowed)):
             return torch.load(file, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing") from None

@@ -7,10 +7,10 @@ grid one tensor at a time (:mod:`.load`); :func:`save_pretrained` writes the mod
 ``transformers``' ``from_pretrained`` loads. ``transformers`` is imported only when such a model runs or is saved.
 """
 
-from .export import checkpoint_to_pretrained, hf_state_dict, save_pretrained
+from .export import checkpoint_to_pretrained, save_pretrained
 from .load import from_pretrained
 from .plans import register_builtin_plans
 
 register_builtin_plans()
 
-__all__ = ["checkpoint_to_pretrained", "from_pretrained", "hf_state_dict", "save_pretrained"]
+__all__ = ["checkpoint_to_pretrained", "from_pretrained", "save_pretrained"]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import dense_info, to_dense
 from ..parallel import dense_state_dict
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -24,16 +25,6 @@ def _tied_copies(model: nn.Module) -> set[str]:
         else:
             first[id(p)] = name
     return later
-
-
-def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict of a parallelized ``transformers`` model as the unparallelized model holds it
-    (keys, shapes, layouts: ``Conv1D`` weights ``[in, out]``; vocabulary padding dropped).
-
-    That is :func:`lightning_3d.dense_state_dict`, for every model: each 3-D layer records the
-    layout of its dense twin. Collective over the cube; every cube rank gets the tensors.
-    """
-    return dense_state_dict(model)
 
 
 def _check_shapes(model: nn.Module, state_dict: dict[str, torch.Tensor], source: object) -> None:
@@ -103,8 +94,6 @@ def checkpoint_to_pretrained(checkpoint: str | os.PathLike, path: str | os.PathL
             tensors whose shapes are not that model's.
     """
     import transformers
-
-    from ..checkpoint import dense_info, to_dense
 
     info = dense_info(checkpoint, prefix)
     config_class = getattr(transformers, info.get("config_class") or "", None)

@@ -1,19 +1,13 @@
-"""What every 3-D layer shares: sharded parameters, dense state dicts, and their description.
+"""What every 3-D layer shares: sharded parameters and the dense state dict.
 
-A module whose global tensors are not the dense ones (a padded vocabulary, packed projections
-viewed as ``[groups, out, in]``) declares ``dense_shapes = {name: dense shape}``: the dense tensor
-is the leading elements of the global one in row-major order, so padding is zeros appended to the
-rows and grouping is a reshape. A weight its dense twin stores transposed (``[in, out]``, as
-Hugging Face's ``Conv1D``) is named in ``dense_transposed``: the dense tensor is the transpose of
-that. A layer whose dense twin orders the rows otherwise (LitGPT's fused ``qkv``) declares
-``dense_row_order``. :func:`dense_to_global` and :func:`~lightning_3d.checkpoint.global_to_dense` are the two
-directions; dense state dicts, loads, ``parallelize`` and checkpoint export all go through them,
-so a dense state dict is exactly what the dense twin's ``state_dict()`` holds.
+A module whose global tensors are not its dense twin's declares how they differ (``dense_shapes``,
+``dense_transposed``, ``dense_row_order``: :mod:`lightning_3d.dense_twin`); :func:`dense_state_dict`
+and :func:`load_dense_state_dict` go through those declarations, so a dense state dict is exactly
+what the dense twin's ``state_dict()`` holds.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Callable, ClassVar
@@ -21,7 +15,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import nn
 
-from ..checkpoint import dense_row_orders, dense_shapes, dense_transposed, global_to_dense, reorder_rows
+from ..dense_twin import dense_row_orders, dense_shapes, dense_to_global, dense_transposed, global_to_dense
 from ..grid import Grid, resolve_grid
 from ..options import RuntimeOptions
 from ..runtime import Runtime
@@ -46,65 +40,6 @@ def init_sharded_(param: torch.Tensor, grid: Grid, init: Callable[[torch.Tensor]
     full = torch.empty(get_spec(param).global_shape, device=param.device, dtype=param.dtype)
     init(full)
     param.copy_(shard_tensor(full, get_spec(param), grid))
-
-
-def dense_to_global(dense: torch.Tensor, global_shape: tuple[int, ...], transposed: bool = False,
-                    row_order: tuple[int, list[int]] | None = None) -> torch.Tensor:
-    """The global tensor whose leading elements are ``dense`` (row-major; first transposed where
-    ``transposed``: a 2-D weight stored ``[in, out]``; then its rows put back in the global order where
-    the dense twin orders them by ``row_order``), zeros after them."""
-    dense = dense.t() if transposed else dense
-    flat = (dense if row_order is None else reorder_rows(dense, row_order, inverse=True)).reshape(-1)
-    pad = math.prod(global_shape) - flat.numel()
-    if pad < 0:
-        raise ValueError(f"a dense tensor of shape {list(dense.shape)} does not fit the global shape {list(global_shape)}")
-    return (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).reshape(global_shape)
-
-
-@torch.no_grad()
-def dense_state_dict(module: nn.Module, grid: Grid) -> dict[str, torch.Tensor]:
-    """Full dense tensors under the module's own keys, on every cube rank (collective over the cube):
-    the dense twin's ``state_dict()``, its shapes and layouts.
-
-    Padding is dropped, grouped tensors flattened and weights stored ``[in, out]`` transposed, as the
-    modules' ``dense_shapes`` and ``dense_transposed`` declare.
-    """
-    out, done, shapes, transposed, orders = {}, {}, dense_shapes(module), set(dense_transposed(module)), dense_row_orders(module)
-    for key, t in module.state_dict(keep_vars=True).items():
-        spec = get_spec(t)
-        if spec is None:
-            out[key] = t.detach().clone()
-            continue
-        if id(t) not in done:
-            done[id(t)] = unshard_tensor(t.detach(), spec, grid)
-        out[key] = global_to_dense(done[id(t)], shapes.get(key), key in transposed, orders.get(key))
-    return out
-
-
-@torch.no_grad()
-def load_dense_state_dict(module: nn.Module, state_dict: dict[str, torch.Tensor], grid: Grid, strict: bool = True) -> None:
-    """Copy each rank's shard out of full dense tensors keyed and laid out as :func:`dense_state_dict`
-    returns them (the dense twin's ``state_dict()``)."""
-    own = module.state_dict(keep_vars=True)
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
-    if strict and (missing or unexpected):
-        raise KeyError(f"dense state dict does not match the module: missing {missing}, unexpected {unexpected}")
-    shapes, transposed, orders = dense_shapes(module), set(dense_transposed(module)), dense_row_orders(module)
-    for key, t in own.items():
-        if key not in state_dict:
-            continue
-        full = state_dict[key]
-        spec = get_spec(t)
-        shape = tuple(shapes[key]) if key in shapes else spec.global_shape if spec is not None else tuple(t.shape)
-        shape = shape[::-1] if key in transposed else shape
-        if tuple(full.shape) != shape:
-            raise ValueError(f"{key}: the dense state dict holds shape {list(full.shape)}, the module expects {list(shape)}"
-                             + (" (the dense twin's [in, out] layout)" if key in transposed else ""))
-        if spec is not None:
-            full = shard_tensor(dense_to_global(full.to(t.device), spec.global_shape, key in transposed, orders.get(key)),
-                                spec, grid)
-        t.copy_(full)
 
 
 class Module3D(nn.Module):
@@ -156,15 +91,77 @@ class Module3D(nn.Module):
         return []
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under the keys of the equivalent ``torch.nn`` module (collective over the cube)."""
-        return dense_state_dict(self, self.grid)
+        """:func:`lightning_3d.dense_state_dict` of this layer: full tensors under the keys of the equivalent
+        ``torch.nn`` module (collective over the cube)."""
+        return dense_state_dict(self)
 
     def load_dense_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load full tensors keyed as the equivalent ``torch.nn`` module's state dict."""
-        load_dense_state_dict(self, state_dict, self.grid, strict)
+        """:func:`lightning_3d.load_dense_state_dict` into this layer."""
+        load_dense_state_dict(self, state_dict, strict)
 
     def _describe(self, **fields) -> str:
         px, py, pz = self.grid.shape
         head = ", ".join(f"{k}={v}" for k, v in fields.items())
         specs = "; ".join(f"{n}: {get_spec(p).describe(self.grid)}" for n, p in self.named_parameters(recurse=False))
         return f"{head}, grid={px}×{py}×{pz}" + (f", {specs}" if specs else "")
+
+
+def modules_3d(model: nn.Module) -> list[Module3D]:
+    """The 3-D layers of ``model`` (``ValueError`` when it holds none)."""
+    layers = [m for m in model.modules() if isinstance(m, Module3D)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} holds no 3-D layers: call lightning_3d.parallelize(model) first")
+    return layers
+
+
+def grid_of(model: nn.Module) -> Grid:
+    """The grid the 3-D layers of ``model`` live on."""
+    grids = {id(m.grid): m.grid for m in modules_3d(model)}
+    if len(grids) > 1:
+        raise ValueError(f"{type(model).__name__} has 3-D layers on {len(grids)} different grids: {list(grids.values())}")
+    return next(iter(grids.values()))
+
+
+@torch.no_grad()
+def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The dense twin's ``state_dict()`` of a parallelized model (or a 3-D layer): full tensors under the
+    original keys, shapes and layouts (vocabulary padding dropped, packed weights flattened, ``[in, out]``
+    weights transposed back), on every cube rank. Collective over the cube."""
+    grid = grid_of(model)
+    out, done, shapes, transposed, orders = {}, {}, dense_shapes(model), set(dense_transposed(model)), dense_row_orders(model)
+    for key, t in model.state_dict(keep_vars=True).items():
+        spec = get_spec(t)
+        if spec is None:
+            out[key] = t.detach().clone()
+            continue
+        if id(t) not in done:
+            done[id(t)] = unshard_tensor(t.detach(), spec, grid)
+        out[key] = global_to_dense(done[id(t)], shapes.get(key), key in transposed, orders.get(key))
+    return out
+
+
+@torch.no_grad()
+def load_dense_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Copy each rank's shard out of full dense tensors: the unparallelized model's ``state_dict()``, or
+    :func:`dense_state_dict`'s from any grid. ``strict``: the keys must be the model's."""
+    grid = grid_of(model)
+    own = model.state_dict(keep_vars=True)
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise KeyError(f"dense state dict does not match the module: missing {missing}, unexpected {unexpected}")
+    shapes, transposed, orders = dense_shapes(model), set(dense_transposed(model)), dense_row_orders(model)
+    for key, t in own.items():
+        if key not in state_dict:
+            continue
+        full = state_dict[key]
+        spec = get_spec(t)
+        shape = tuple(shapes[key]) if key in shapes else spec.global_shape if spec is not None else tuple(t.shape)
+        shape = shape[::-1] if key in transposed else shape
+        if tuple(full.shape) != shape:
+            raise ValueError(f"{key}: the dense state dict holds shape {list(full.shape)}, the module expects {list(shape)}"
+                             + (" (the dense twin's [in, out] layout)" if key in transposed else ""))
+        if spec is not None:
+            full = shard_tensor(dense_to_global(full.to(t.device), spec.global_shape, key in transposed, orders.get(key)),
+                                spec, grid)
+        t.copy_(full)

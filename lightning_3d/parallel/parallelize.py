@@ -22,8 +22,9 @@ from collections import Counter
 import torch
 from torch import nn
 
+from ..dense_twin import dense_to_global
 from ..grid import Grid, resolve_grid
-from ..layers.base import Module3D, dense_to_global
+from ..layers.base import Module3D
 from ..options import RuntimeOptions
 from ..runtime import Runtime
 from ..sharding import get_spec, shard_tensor

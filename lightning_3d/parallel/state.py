@@ -1,39 +1,24 @@
-"""What a parallelized model holds: its grid, its runtime and options, its tensors as dense ones."""
+"""What a parallelized model holds: its grid, its runtime and options, its tensors as dense ones
+(:func:`grid_of`, :func:`dense_state_dict` and :func:`load_dense_state_dict` are :mod:`lightning_3d.layers.base`'s)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import torch
 from torch import nn
 
 from ..agreement import agree
 from ..grid import Grid
-from ..layers.base import Module3D
-from ..layers.base import dense_state_dict as _dense_state_dict
-from ..layers.base import load_dense_state_dict as _load_dense_state_dict
+from ..layers.base import dense_state_dict, grid_of, load_dense_state_dict, modules_3d
 from ..ops.async_tp import check_available
 from ..options import RuntimeOptions
 from ..runtime import Runtime
 
-
-def _layers(model: nn.Module) -> list[Module3D]:
-    layers = [m for m in model.modules() if isinstance(m, Module3D)]
-    if not layers:
-        raise ValueError(f"{type(model).__name__} holds no 3-D layers: call lightning_3d.parallelize(model) first")
-    return layers
-
-
-def grid_of(model: nn.Module) -> Grid:
-    """The grid the 3-D layers of ``model`` live on."""
-    grids = {id(m.grid): m.grid for m in _layers(model)}
-    if len(grids) > 1:
-        raise ValueError(f"{type(model).__name__} has 3-D layers on {len(grids)} different grids: {list(grids.values())}")
-    return next(iter(grids.values()))
+__all__ = ["check_options", "dense_state_dict", "grid_of", "load_dense_state_dict", "options_of", "runtime_of", "set_options"]
 
 
 def _runtimes(model: nn.Module) -> list[Runtime]:
-    return list({id(m.runtime): m.runtime for m in _layers(model)}.values())
+    return list({id(m.runtime): m.runtime for m in modules_3d(model)}.values())
 
 
 def runtime_of(model: nn.Module) -> Runtime:
@@ -77,14 +62,3 @@ def set_options(model: nn.Module, **changes) -> None:
     check_options(RuntimeOptions(**changes), grid_of(model))
     for runtime in _runtimes(model):
         runtime.apply(dataclasses.replace(runtime.options, **changes))
-
-
-def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full dense state dict of a parallelized model under its original keys (vocabulary padding
-    dropped, packed weights flattened), on every cube rank. Collective over the cube."""
-    return _dense_state_dict(model, grid_of(model))
-
-
-def load_dense_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-    """Load a dense state dict (the unparallelized model's, or :func:`dense_state_dict`'s from any grid)."""
-    _load_dense_state_dict(model, state_dict, grid_of(model), strict)

@@ -38,7 +38,7 @@ from .. import arguments, planner
 from .. import checkpoint as ckpt
 from ..parallel import set_options
 from ..planner import ModelShape
-from .checkpoints import FABRIC_STATE_KEY, load_sharded, save_sharded
+from .checkpoints import FABRIC_STATE_KEY, load_meta, load_sharded, save_sharded
 from .failures import ReportFailuresOnce, same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
 from .precision import on_grid
@@ -239,7 +239,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         module = self.lightning_module
         fitting = module.trainer.state.fn == FITTING
         optimizers = dict(enumerate(map(unwrap, self.optimizers))) if fitting else {}
-        meta = ckpt.load_meta(path, trusted=weights_only is False)
+        meta = load_meta(path, trusted=weights_only is False)
         load_sharded(path, module, self.grid, optimizers, self.holds_state, meta, strict=module.strict_loading)
         if fitting:
             # RNG now: the fit loop draws (dataloader seeds) before on_train_start; sanity checks run isolated

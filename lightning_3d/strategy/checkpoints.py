@@ -7,8 +7,8 @@ through :func:`save_sharded` and :func:`load_sharded`, so either reads what the 
 - the module's state under ``state_dict``, optimizer ``i``'s under ``optimizer_i`` (keys of a
   model saved inside a LightningModule and of the bare model differ by its dense root's prefix:
   :func:`lightning_3d.checkpoint.store.saved_key` maps them);
-- everything else in ``meta.pt`` (weights-only unpickling on load), with each optimizer's param
-  groups (parameters by name) under :data:`PARAM_GROUPS_KEY`.
+- everything else in ``meta.pt`` (weights-only unpickling on load, allowing :data:`META_CLASSES`),
+  with each optimizer's param groups (parameters by name) under :data:`PARAM_GROUPS_KEY`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from torch import nn
 from .. import checkpoint as ckpt
 from ..checkpoint.store import saved_key
 from ..grid import Grid
+from ..models.config import GPTConfig
 
 PARAM_GROUPS_KEY = "tensor3d_param_groups"
 FABRIC_STATE_KEY = "tensor3d_fabric_state"  # in the meta of a checkpoint Fabric wrote: which state entries were saved how
+META_CLASSES = (GPTConfig,)
+"""The classes ``meta.pt`` may hold besides plain data: the library's model config (a LightningModule's hyper-parameter)."""
 
 
 def save_sharded(path: str | Path, module: nn.Module, grid: Grid, model_state: dict[str, Any],
@@ -40,7 +43,12 @@ def save_sharded(path: str | Path, module: nn.Module, grid: Grid, model_state: d
     for i, state in enumerate(optimizer_states):
         tensors[ckpt.optimizer_key(i)] = {"state": state["state"]}
     groups = [state["param_groups"] for state in optimizer_states]
-    ckpt.save(path, tensors, grid, module, meta={**meta, PARAM_GROUPS_KEY: groups})
+    ckpt.save(path, tensors, grid, module, meta={**meta, PARAM_GROUPS_KEY: groups}, allowed=META_CLASSES)
+
+
+def load_meta(path: str | Path, trusted: bool) -> dict[str, Any]:
+    """The checkpoint's ``meta.pt``, read weights-only allowing :data:`META_CLASSES` unless ``trusted``."""
+    return ckpt.load_meta(path, trusted=trusted, allowed=META_CLASSES)
 
 
 def load_sharded(path: str | Path, module: nn.Module, grid: Grid, optimizers: dict[int, torch.optim.Optimizer],

@@ -45,7 +45,7 @@ from ..layers import Module3D
 from ..options import RuntimeOptions
 from ..parallel import Plan, parallelize, set_options
 from ..cost import ModelShape
-from .checkpoints import FABRIC_STATE_KEY, PARAM_GROUPS_KEY, load_sharded, save_sharded
+from .checkpoints import FABRIC_STATE_KEY, PARAM_GROUPS_KEY, load_meta, load_sharded, save_sharded
 from .failures import same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
 from .precision import fabric_precision
@@ -324,7 +324,7 @@ class Tensor3DFabricMixin(GridStrategy):
             raise NotImplementedError(f"{type(self).__name__} loads an optimizer together with its model: "
                                       "fabric.load(path, {'model': model, 'optimizer': optimizer})")
         _, module, optimizers, rest = self._split(state)
-        meta = ckpt.load_meta(path, trusted=weights_only is False)
+        meta = load_meta(path, trusted=weights_only is False)
         missing = sorted(k for k in rest if k not in meta)
         if strict and missing:
             raise KeyError(f"{path} holds no {missing} (it holds {sorted(k for k in meta if k not in _PRIVATE_META)}); "

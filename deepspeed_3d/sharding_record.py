@@ -1,20 +1,21 @@
-"""The grid layout of a model's parameters, as plain data a checkpoint can carry.
+"""A model's sharding record: how its parameters lie on the grid, as plain data a checkpoint can carry.
 
 ``{"grid": [px, py, pz], "data_parallel_size": dp, "params": {name: {"global_shape": [...],
 "dims": [[axes of dim 0], ...]}}}`` names, for every sharded parameter (under every name the
 module's state dict uses for it), the :class:`~lightning_3d.sharding.ShardSpec` that places it on
 the grid. Parameters without a spec are replicated over the cube and are not listed.
 ``"dense_shapes"`` holds the shapes that modules declare for dense export
-(:func:`lightning_3d.checkpoint.dense_shapes`: padded vocabularies, fused weights);
+(:func:`lightning_3d.dense_twin.dense_shapes`: padded vocabularies, fused weights);
 ``"dense_transposed"`` the keys the dense twin stores transposed
-(:func:`lightning_3d.checkpoint.dense_transposed`: Hugging Face ``Conv1D`` weights, ``[in, out]``);
+(:func:`lightning_3d.dense_twin.dense_transposed`: Hugging Face ``Conv1D`` weights, ``[in, out]``);
 ``"dense_row_orders"`` the keys whose dense twin orders the rows otherwise
-(:func:`lightning_3d.checkpoint.dense_row_orders`: LitGPT's grouped query heads);
+(:func:`lightning_3d.dense_twin.dense_row_orders`: LitGPT's grouped query heads);
 ``"dense_root"`` the model inside the module whose dense twin to export (its state-dict prefix,
 class and config: :func:`lightning_3d.checkpoint.dense_root`).
 
 Engines made by :func:`deepspeed_3d.initialize` save it in every checkpoint (client-state key
-``"tensor3d_layout"``), so a checkpoint converts to a dense state dict without the model.
+``"tensor3d_layout"``, the name checkpoints have always carried it under), so a checkpoint converts
+to a dense state dict without the model.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ from typing import Any
 
 from torch import nn
 
-from lightning_3d.checkpoint import dense_root, dense_row_orders, dense_shapes, dense_transposed
+from lightning_3d.checkpoint import dense_root
+from lightning_3d.dense_twin import dense_row_orders, dense_shapes, dense_transposed
 from lightning_3d.grid import Grid
 from lightning_3d.sharding import ShardSpec, get_spec
 
-LAYOUT_KEY = "tensor3d_layout"
+RECORD_KEY = "tensor3d_layout"
 
 
-def model_layout(module: nn.Module, grid: Grid) -> dict[str, Any]:
-    """The layout of ``module``'s sharded parameters on ``grid``."""
+def sharding_record(module: nn.Module, grid: Grid) -> dict[str, Any]:
+    """The sharding record of ``module`` on ``grid``."""
     params, first, ties = {}, {}, {}
     for name, param in module.named_parameters(remove_duplicate=False):
         spec = get_spec(param)
@@ -44,9 +46,9 @@ def model_layout(module: nn.Module, grid: Grid) -> dict[str, Any]:
             "ties": {k: v for k, v in ties.items() if k != v}}
 
 
-def layout_specs(layout: dict[str, Any]) -> dict[str, ShardSpec]:
-    """``{name: ShardSpec}`` of a layout."""
-    return {name: ShardSpec(tuple(p["global_shape"]), tuple(tuple(axes) for axes in p["dims"])) for name, p in layout["params"].items()}
+def record_specs(record: dict[str, Any]) -> dict[str, ShardSpec]:
+    """``{name: ShardSpec}`` of a sharding record."""
+    return {name: ShardSpec(tuple(p["global_shape"]), tuple(tuple(axes) for axes in p["dims"])) for name, p in record["params"].items()}
 
 
 def check_same_grid(saved: dict[str, Any], current: dict[str, Any]) -> None:
