@@ -9,7 +9,7 @@ configs built with ``litgpt.Config``, in float64:
   biases, full rotary, sequential residual, untied head;
 
 and a Phi-like config (parallel residual with a shared attention norm, tanh GELU, head bias, tied
-by hand) on 1×2×1 (dp 2). Loss, logits and every parameter's gradient are compared, and
+by hand) and a Qwen2.5-like one (the Llama-like with q/k/v biases) on 1×2×1 (dp 2). Loss, logits and every parameter's gradient are compared, and
 ``dense_state_dict`` loads into LitGPT's model with ``strict=True``. The example
 (``examples/fabric_litgpt.py``) trains, resumes and exports in a world of 2; the benchmark
 (``benchmarks/litgpt_fabric.py``) runs its CPU smoke mode.
@@ -53,6 +53,7 @@ CONFIGS = {
     "phi": dict(COMMON, parallel_residual=True, shared_attention_norm=True, norm_class_name="LayerNorm",
                 mlp_class_name="GptNeoxMLP", gelu_approximate="tanh", rotary_percentage=0.5, bias=True, lm_head_bias=True),
 }
+CONFIGS["qwen"] = dict(CONFIGS["llama"], attn_bias=True)  # Qwen2.5's q/k/v biases: the bias rows reordered too
 
 
 def exact_rope(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,6 +237,7 @@ def conversion(grid) -> dict:
 
 def features_job(grid) -> dict:
     errs = equivalence(grid, "phi", tied=True)
+    errs.update(equivalence(grid, "qwen"))
     errs.update({f"refused_{k}": e for k, e in refusals(grid).items()})
     errs.update(conversion(grid))
     return errs

@@ -53,7 +53,7 @@ class QueryGroupedQKV(Linear):
     def build(self, name, module, grid, options):
         layer = super().build(name, module, grid, options)
         block, order = self.dense_order(layer.out_features)
-        if list(order) != sorted(order):  # one query head per key/value head, or one key/value head: the same order
+        if list(order) != sorted(order):  # the orders differ with several query heads per key/value head and several of those
             layer.dense_row_order = {n: (block, order) for n in ("weight", "bias") if getattr(layer, n, None) is not None}
         return layer
 
