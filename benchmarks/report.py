@@ -22,7 +22,8 @@ rate, or ``--machine LINKS=FILE``, or with P2P off ``--p2p-off-busbw``), and per
 pick among the measured grids against the measured fastest; exits 1 past ``--tol`` (15%).
 
 ``--bytes FILES`` (runs with ``--count-bytes``): the bytes each case's ranks sent in a step, by
-collective, and for 3-D cases the cost model's prediction of them.
+collective, and the cost model's prediction of them: for 3-D cases, and for the peers whose
+algorithm a 3-D grid runs (FSDP2 without resharding: P×1×1; DDP: 1×1×1 with dp P).
 
 ``--standings FILES``: one table per model, GPU count and link setting: every method's median
 tokens/s, MFU and peak memory over the files (processes) that ran it, its ratio to the best peer's
@@ -45,6 +46,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lightning_3d import cost  # noqa: E402
+from lightning_3d.models import GPTConfig  # noqa: E402
 
 
 def _is_peer(label: str) -> bool:
@@ -141,9 +143,7 @@ P2P_OFF_LATENCY_US = 50.0  # with an assumed bus bandwidth: small collectives th
 
 def shape_of(meta: dict) -> cost.ModelShape:
     """The job's model (``meta["config"]``, a ``GPTConfig``) on its global batch."""
-    c = meta["config"]
-    return cost.ModelShape(c["n_embd"], c["n_head"], meta["seq"], meta["batch"], c["n_layer"], c["ffn_hidden"],
-                           kv_heads=c.get("n_kv_head"), gated=c["style"] == "llama", vocab=c["vocab_size"])
+    return cost.ModelShape.of(GPTConfig(**meta["config"]), meta["batch"], meta["seq"])
 
 
 def machine_of(meta: dict, p2p_off_busbw: float | None, measured: dict[str, dict] | None = None) -> cost.Machine | None:
@@ -238,9 +238,30 @@ def planner(paths: list[str], p2p_off_busbw: float | None = None, measured: dict
 # ------------------------------------------------------------------ bytes sent
 
 
+SAME_ALGORITHM = {"fsdp2 noreshard": "FSDP2 without resharding: each weight gathered once, its gradient scattered once, as P×1×1",
+                  "ddp": "DDP: the gradients all-reduced, as 1×1×1 with dp P"}
+
+
+def predicted_bytes(case: dict, meta: dict) -> dict | None:
+    """The cost model's bytes a rank sends for a 3-D case (recorded by ``--count-bytes``), and for the
+    peers whose algorithm a 3-D grid runs (:data:`SAME_ALGORITHM`) that grid's, at their precision."""
+    if "predicted_sent_bytes" in case:
+        return case["predicted_sent_bytes"]
+    words = case["case"].split()
+    key = " ".join(w for w in words if w in ("fsdp2", "noreshard", "ddp"))
+    if key not in SAME_ALGORITHM or "ckpt" in words:
+        return None
+    world, cpu = meta["world"], meta["device"] == "cpu"
+    grid, dp = ((world, 1, 1), 1) if key == "fsdp2 noreshard" else ((1, 1, 1), world)
+    grads = 2 if "bf16grad" in words else 4
+    operands = 4 if cpu else (grads if key == "fsdp2 noreshard" else 2)  # FSDP2 reduces in its reduce_dtype
+    return cost.sent_bytes(shape_of(meta), grid, dp, element_bytes=operands, grad_bytes=grads)
+
+
 def sent_bytes(paths: list[str]) -> str:
     """Per case that counted its collectives (``--count-bytes``): the most any rank sent in a step, by
-    collective, and for 3-D cases the cost model's prediction and the ratio of counted to predicted."""
+    collective, and the cost model's prediction (3-D cases; for FSDP2 without resharding and DDP, the
+    3-D grid that runs their algorithm) with the ratio of counted to predicted."""
     lines = ["| file | case | all-gather MB | reduce-scatter MB | all-reduce MB | other MB | total MB | predicted MB | counted / predicted |",
              "|---|---|---|---|---|---|---|---|---|"]
     for path in paths:
@@ -254,7 +275,7 @@ def sent_bytes(paths: list[str]) -> str:
             for key, nbytes in worst["by_kind"].items():
                 kind = key.split("/")[0]
                 kinds[kind if kind in kinds else "other"] += nbytes
-            predicted = c.get("predicted_sent_bytes")
+            predicted = predicted_bytes(c, data["meta"])
             total_p = sum(predicted.values()) if predicted else None
             lines.append(f"| {short(path)} | {c['case']} | " + " | ".join(f"{v / 1e6:.3f}" for v in kinds.values())
                          + f" | {worst['total'] / 1e6:.3f} | " + (f"{total_p / 1e6:.3f} | {worst['total'] / total_p:.3f} |" if total_p else "– | – |"))

@@ -365,24 +365,18 @@ def profiled_labels(option: str, text: str, methods: list[Method], world: int) -
     return named
 
 
-def model_shape(config: GPTConfig, batch: int, seq: int) -> ModelShape:
-    """The cost model's view of ``config`` trained on ``batch`` sequences of ``seq`` tokens a step."""
-    return ModelShape(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden,
-                      kv_heads=config.n_kv_head, gated=config.style == "llama", vocab=config.vocab_size)
-
-
 def predicted_bytes(method: Method, config: GPTConfig, batch: int, seq: int, cpu: bool) -> dict:
     """The bytes the cost model says each rank sends in one step of a 3-D case: float32 operands on
     CPU, bf16 under autocast; the dp reduction in float32, or half with ``bf16grad``."""
     operands = 4 if cpu else 2
-    return sent_bytes(model_shape(config, batch, seq), method.grid, method.dp, save_gathered=method.save_gathered,
+    return sent_bytes(ModelShape.of(config, batch, seq), method.grid, method.dp, save_gathered=method.save_gathered,
                       element_bytes=operands, grad_bytes=2 if method.half_grads else 4)
 
 
 def resolve_auto(run: Run, method: Method, config: GPTConfig, batch: int, seq: int, machine: Machine) -> Method:
     """``3d auto``: the grid and dp ``Tensor3DStrategy(grid="auto", model_shape=..., machine=...)`` resolves to,
     the whole job priced on the ``machine`` measured at the start."""
-    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, model_shape(config, batch, seq), method.async_tp, machine, method.half_grads,
+    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, ModelShape.of(config, batch, seq), method.async_tp, machine, method.half_grads,
                                   method.grads_at_end)
     return dataclasses.replace(method, grid=tuple(grid), dp=dp)
 

@@ -5,6 +5,7 @@ each rank sends, counted from the collectives a step calls, are the cost model's
 process of its own, the order rotated between repeats; the report's tables, planner check and plot
 read what the runs wrote."""
 
+import dataclasses
 import json
 import os
 import re
@@ -12,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from lightning_3d.models import GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "benchmarks")
@@ -141,7 +144,8 @@ def test_planner_check_prices_each_file_with_its_machine(tmp_path):
     error; the model's pick among two measured grids is compared with the measured fastest."""
     from lightning_3d import cost
 
-    config = {"n_embd": 4096, "n_head": 32, "n_layer": 8, "ffn_hidden": 11008, "n_kv_head": 8, "style": "llama", "vocab_size": 32000}
+    config = dataclasses.asdict(GPTConfig(vocab_size=32000, block_size=2048, n_layer=8, n_head=32, n_kv_head=8, n_embd=4096,
+                                          style="llama", ffn_hidden=11008))
     meta = {"config": config, "seq": 2048, "batch": 8, "world": 4, "links": "nvlink", "model": "llama-7b", "matmul_tflops": 700.0,
             "machine": cost.DEFAULT_MACHINE.rates()}
     shape = report.shape_of(meta)

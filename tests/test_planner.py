@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_3d import cost
+from lightning_3d.models import GPTConfig
 
 A = cost.ModelShape(4096, 32, 2048, 8, 4)
 B = cost.ModelShape(8192, 64, 2048, 4, 2)
@@ -114,6 +115,14 @@ def test_auto_grids_on_nodes_of_8_as_docs_cluster_states(nodes, hidden, heads, l
 LLAMA_7B = cost.ModelShape(4096, 32, 2048, 8, 32, 11008, kv_heads=8, gated=True, vocab=32000)
 SLOW = replace(cost.DEFAULT_MACHINE, intra={op: {g: cost.Link(15.0, 50.0) for g in table}
                                                for op, table in cost.DEFAULT_MACHINE.intra.items()})
+
+
+def test_the_shape_of_a_gpt_config():
+    config = GPTConfig(vocab_size=32000, block_size=2048, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, style="llama",
+                       ffn_hidden=11008)
+    assert cost.ModelShape.of(config, batch=8, seq=2048) == LLAMA_7B
+    gpt2 = cost.ModelShape.of(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768), 4, 1024)
+    assert gpt2 == cost.ModelShape(768, 12, 1024, 4, 12, 3072, kv_heads=12, gated=False, vocab=50257)
 
 
 def test_the_whole_job_costs_more_than_its_blocks_and_needs_the_vocabulary():

@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..grid import axes_across_nodes
+from ..models.config import GPTConfig
 from .machine import DEFAULT_MACHINE, Machine
 
 BYTES = 2  # bf16 activations, weights and gradients
@@ -45,7 +46,8 @@ class ModelShape:
     ``batch`` sequences of ``seq`` tokens: the global batch of one step. ``kv_heads`` (default
     ``heads``) below ``heads`` is grouped-query attention; ``gated`` is a SwiGLU MLP (gate and up).
     ``vocab`` (tokens of an untied embedding and LM head) makes it a whole model: :func:`predict_job`
-    prices its training step, and :func:`~lightning_3d.cost.search.best_grid` ranks grids by that."""
+    prices its training step, and :func:`~lightning_3d.cost.search.best_grid` ranks grids by that.
+    :meth:`of` reads it off a :class:`~lightning_3d.models.GPTConfig`."""
 
     hidden: int
     heads: int
@@ -56,6 +58,12 @@ class ModelShape:
     kv_heads: int | None = None
     gated: bool = False
     vocab: int | None = None
+
+    @classmethod
+    def of(cls, config: GPTConfig, batch: int, seq: int) -> ModelShape:
+        """The shape of ``config``'s model (vocabulary included) trained on ``batch`` sequences of ``seq`` tokens a step."""
+        return cls(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden,
+                   kv_heads=config.n_kv_head, gated=config.style == "llama", vocab=config.vocab_size)
 
     @property
     def ffn_hidden(self) -> int:
