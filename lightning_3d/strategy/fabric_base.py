@@ -29,8 +29,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import signal
-import sys
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Literal
 
@@ -49,7 +48,7 @@ from .checkpoints import FABRIC_STATE_KEY, PARAM_GROUPS_KEY, load_meta, load_sha
 from .failures import same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
 from .precision import fabric_precision
-from .preemption import Preempted, PreemptionWatch, stop_message
+from .preemption import PreemptionWatch, stop_message
 
 _PRIVATE_META = (PARAM_GROUPS_KEY, FABRIC_STATE_KEY)
 
@@ -368,16 +367,10 @@ class Tensor3DFabricMixin(GridStrategy):
             self._stop(*stop, state)
 
     def _stop(self, signum: int, rank: int, state: dict[str, Any] | None) -> None:
-        self._watch.deadline(f"tensor3d: rank {self.global_rank}: stopping after {signal.Signals(signum).name} took more than "
-                             f"{self._watch.grace.total_seconds():.0f} s (a peer died or stalled); exiting now", 128 + signum)
         path = self.checkpoint_on_preemption
-        if path is not None:
-            self.save_checkpoint(path, state)
         message = stop_message(signum, rank, f"check_preemption call {self._steps}", path,
                                resume="fabric.load({path!r}, state)", strategy="Tensor3DFabricStrategy")
-        if self.global_rank == 0:
-            print(message, file=sys.stderr, flush=True)
-        raise Preempted(signum, message)
+        self._watch.stop(signum, message, None if path is None else partial(self.save_checkpoint, path, state))
 
     def teardown(self) -> None:
         if self._watch is not None:

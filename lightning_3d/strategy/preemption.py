@@ -22,7 +22,9 @@ import os
 import signal
 import sys
 import threading
+from functools import partial
 from pathlib import Path
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -117,6 +119,17 @@ class PreemptionWatch:
             self._pending = (dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group, async_op=True), vote)
         return result
 
+    def stop(self, signum: int, message: str, save: Callable[[], None] | None = None) -> NoReturn:
+        """At the step the ranks agreed on, on every rank: ``save`` (the checkpoint asked for, if any), rank 0 prints
+        ``message``, then :class:`Preempted`; a stop that stalls past ``grace`` ends this process."""
+        self.deadline(f"tensor3d: rank {self.rank}: stopping after {signal.Signals(signum).name} took more than "
+                      f"{self.grace.total_seconds():.0f} s (a peer died or stalled); exiting now", 128 + signum)
+        if save is not None:
+            save()
+        if self.rank == 0:
+            print(message, file=sys.stderr, flush=True)
+        raise Preempted(signum, message)
+
     def finish(self) -> None:
         """Wait for the last vote (every rank started it at the same step): the run ended normally."""
         if self._pending is not None:
@@ -157,15 +170,9 @@ class StopOnPreemption:
     def _stop(self, signum: int, rank: int) -> None:
         """Every rank, at the same step: the checkpoint (if asked for), rank 0's message, then :class:`Preempted`."""
         trainer = self.lightning_module.trainer
-        self._watch.deadline(f"tensor3d: rank {self.global_rank}: stopping after {signal.Signals(signum).name} took more than "
-                             f"{self._watch.grace.total_seconds():.0f} s (a peer died or stalled); exiting now", 128 + signum)
         path = self.checkpoint_on_preemption
-        if path is not None:
-            trainer.save_checkpoint(path)
         message = stop_message(signum, rank, f"global step {trainer.global_step}", path)
-        if self.is_global_zero:
-            print(message, file=sys.stderr, flush=True)
-        raise Preempted(signum, message)
+        self._watch.stop(signum, message, None if path is None else partial(trainer.save_checkpoint, path))
 
     def on_train_end(self) -> None:
         if self._watch is not None:
