@@ -2,12 +2,14 @@
 absent, another model's checkpoint is refused, and the dense export needs no hidden knowledge.
 
 One 4-rank gloo pool writes a small GPT3D (held as ``self.model``, as a LightningModule would) on
-2×2×1; copies of that checkpoint are then damaged or planted with a pickle whose ``__reduce__``
-would write a marker file.
+2×2×1; copies of that checkpoint are then damaged, left out of the manifest, or planted with a
+pickle whose ``__reduce__`` would write a marker file (whole files, and an entry inside a ``.distcp``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import pickle
@@ -22,6 +24,7 @@ import pytest
 import torch
 import torch.distributed
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from lightning_3d import checkpoint as ckpt
 from lightning_3d.checkpoint import CheckpointError
@@ -42,6 +45,18 @@ class Holder(nn.Module):
         super().__init__()
         self.model = GPT3D(cfg)
         self.register_buffer("seen", torch.tensor([3.0]))
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that counts its steps in a plain int per parameter, as many optimizers keep ``step``: DCP writes
+    each as a pickled bytes entry of a ``.distcp`` file."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["steps"] = self.state[p].get("steps", 0) + 1
+        return loss
 
 
 class Payload:
@@ -98,6 +113,29 @@ def load_job(path: str, vocab: int = 60, layers: int = 2, strict: bool = True) -
     return "loaded"
 
 
+def optimizer_job(path: str, save: bool) -> str:
+    """Save the model and a :class:`CountingSGD`'s state after one step, or load both back: what was loaded."""
+    grid = harness.grid(GRID)
+    torch.manual_seed(0)
+    holder = Holder(config())
+    names = ckpt.parameter_names(holder)
+    optimizer = CountingSGD(holder.parameters(), lr=0.1)
+    if save:
+        for p in holder.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        state = ckpt.optimizer_state(optimizer, names, grid)["state"]
+        ckpt.save(path, {ckpt.MODEL_KEY: ckpt.model_state(holder, grid), ckpt.optimizer_key(0): {"state": state}}, grid, holder)
+        return "saved"
+    try:
+        ckpt.load_model_(holder, grid, path)
+        ckpt.load_optimizer_(optimizer, 0, names, grid, path, ckpt.optimizer_state(optimizer, names, grid)["param_groups"])
+    except (CheckpointError, CheckpointException) as e:  # a refusal inside dcp.load reaches the caller wrapped by DCP
+        return str(e)
+    every = len(optimizer.state) == len(names)
+    return f"loaded steps {sorted({s['steps'] for s in optimizer.state.values()}, key=repr)} for {'every' if every else 'some'} parameter"
+
+
 def rng_job(path: str) -> str:
     try:
         ckpt.load_rng_state(path, harness.grid(GRID))
@@ -143,6 +181,19 @@ def copy_of(saved: Path, tmp_path: Path, name: str = "copy.ckpt") -> Path:
     return out
 
 
+def relist(path: Path, names: list[str], drop: bool = False) -> None:
+    """Enter the files ``names`` in the manifest as they are now (``drop``: remove their entries)."""
+    manifest = path / "manifest.json"
+    if manifest.exists():
+        data = json.loads(manifest.read_text())
+        for name in names:
+            if drop:
+                del data["files"][name]
+            else:
+                data["files"][name] = file_entry(path, name)
+        manifest.write_text(json.dumps(data))
+
+
 def plant(path: Path, pattern: str, marker: Path, with_torch: bool = True) -> str:
     """Replace the file matching ``pattern`` by a payload; update the manifest as an attacker would."""
     (file,) = sorted(path.glob(pattern))
@@ -151,12 +202,28 @@ def plant(path: Path, pattern: str, marker: Path, with_torch: bool = True) -> st
     else:
         file.write_bytes(pickle.dumps(Payload(marker)))
     name = file.relative_to(path).as_posix()
-    manifest = path / "manifest.json"
-    if manifest.exists():
-        data = json.loads(manifest.read_text())
-        data["files"][name] = file_entry(path, name)
-        manifest.write_text(json.dumps(data))
+    relist(path, [name])
     return name
+
+
+def plant_entry(path: Path, fqn: str, marker: Path) -> str:
+    """Make the bytes entry ``fqn`` a payload: appended to its ``.distcp`` file, pointed to by a rewritten
+    ``.metadata``, both entered in the manifest, as an attacker would. Returns the ``.distcp`` file's name."""
+    from lightning_3d.checkpoint.untrusted import read_dcp_metadata
+
+    metadata = read_dcp_metadata(path)
+    (index,) = [i for i in metadata.storage_data if i.fqn == fqn]
+    info = metadata.storage_data[index]
+    payload = io.BytesIO()
+    torch.save(Payload(marker), payload)
+    file = path / info.relative_path
+    offset = file.stat().st_size
+    with open(file, "ab") as f:
+        f.write(payload.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    relist(path, [".metadata", info.relative_path])
+    return info.relative_path
 
 
 def assert_equal(a: dict, b: dict, what: str) -> None:
@@ -198,6 +265,19 @@ def test_payload_in_rng_file_runs_nothing(saved, tmp_path):
     assert results[0] == results[2] == results[3] == "loaded"
 
 
+def test_payload_in_a_distcp_bytes_entry_runs_nothing(tmp_path):
+    """DCP unpickles a non-tensor entry with ``weights_only=False``: the planner reads it weights-only first."""
+    path, marker = tmp_path / "optimizer.ckpt", tmp_path / "ran"
+    harness.run(4, optimizer_job, str(path), True)
+    assert harness.run(4, optimizer_job, str(path), False) == ["loaded steps [1] for every parameter"] * 4  # as written
+    entry = "optimizer_0.state.model.transformer.h.0.attn.c_attn.weight.steps"
+    shard = plant_entry(path, entry, marker)
+    assert shard.endswith(".distcp"), shard
+    for r in harness.run(4, optimizer_job, str(path), False):
+        assert f"refusing to read the entry {entry!r}" in r and "GLOBAL exec" in r, r
+    assert not marker.exists(), "loading the checkpoint ran the code planted in a .distcp entry"
+
+
 def test_payload_in_deepspeed_model_states_runs_nothing(tmp_path):
     deepspeed_3d = pytest.importorskip("deepspeed_3d")
     marker = tmp_path / "ran"
@@ -235,6 +315,20 @@ def test_damaged_files_are_named(saved, tmp_path):
         assert all(w in str(e.value) for w in words), (path.name, str(e.value))
     for r in harness.run(4, load_job, str(altered)):
         assert shard in r and "SHA-256" in r, r
+
+
+def test_files_the_manifest_does_not_list_are_refused(saved, tmp_path):
+    """A file read from a checkpoint was checked only if the manifest lists it: an unlisted one is refused."""
+    unlisted = {}
+    for name in ("layout.json", "meta.pt", ".metadata"):
+        unlisted[name] = copy_of(saved[0], tmp_path, f"unlisted{name}")
+        relist(unlisted[name], [name], drop=True)
+    for name, read in [("layout.json", ckpt.read_layout), ("layout.json", ckpt.to_dense), ("meta.pt", ckpt.load_meta),
+                       (".metadata", ckpt.to_dense)]:
+        with pytest.raises(CheckpointError, match=f"{name} is not listed in the manifest"):
+            read(unlisted[name])
+    for r in harness.run(4, load_job, str(unlisted["layout.json"])):
+        assert "layout.json is not listed in the manifest" in r, r
 
 
 def test_a_failed_rank_leaves_the_previous_checkpoint(tmp_path):

@@ -41,10 +41,10 @@ class Block(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.ln = nn.LayerNorm(H)
+        self.ln = nn.LayerNorm(H, eps=1e-2)  # epsilons off the defaults, large enough to change float64 results
         self.q, self.k, self.v = nn.Linear(H, H), nn.Linear(H, H, bias=False), nn.Linear(H, H)
         self.o = nn.Linear(H, H)
-        self.rms = nn.RMSNorm(H, eps=1e-6)
+        self.rms = nn.RMSNorm(H, eps=1e-2)
         self.fc1 = nn.Linear(H, FFN)
         self.fc2 = nn.Linear(FFN, H)
 
@@ -134,6 +134,37 @@ def equality_job(grid):
 
 def test_plain_module_equals_dense_on_grids():
     assert_close(harness.run(8, on_grids, GRIDS, equality_job), tol=1e-10)
+
+
+def prefetch_options_job(grid):
+    """Per forward, how many weight gathers were in flight once ``blocks.0.q`` had run, and whether every loss
+    is the first's: the defaults, then ``set_options`` changing the prefetch after a forward (a forward records
+    the order anew); and the counts of models given each change before their first forward."""
+    torch.manual_seed(4)
+    dense = TinyLM().to(F64)
+    ids = torch.randint(0, V, (B, S))
+    changes = [dict(prefetch_depth=1, gathered_together=1), dict(prefetch_depth=2)]
+
+    def run(model, options_per_forward):
+        in_flight, losses = [], []
+        model.blocks[0].q.register_forward_hook(lambda *_: in_flight.append(len(runtime_of(model).prefetch._forward.ahead)))
+        for options in options_per_forward:
+            set_options(model, **options)
+            with torch.no_grad():
+                losses.append(model(ids, ids))
+        return in_flight, all(torch.equal(loss, losses[0]) for loss in losses)
+
+    changed = run(parallelize(copy.deepcopy(dense), plan(), grid=grid), [{}, {}, changes[0], {}, changes[1], {}])
+    fresh = [run(parallelize(copy.deepcopy(dense), plan(), grid=grid), [options, {}])[0]
+             for options in (changes[0], {**changes[0], **changes[1]})]
+    return changed, fresh
+
+
+def test_prefetch_options_set_after_the_first_forward_take_effect():
+    for (changed, same_losses), fresh in harness.run(2, on_grids, [(2, 1, 1)], prefetch_options_job)[0].values():
+        assert fresh == [[0, 1], [0, 2]], fresh  # a first forward records the order; one ahead, two ahead
+        assert changed[:2] == [0, 7] and changed[2:] == fresh[0] + fresh[1], changed  # as if set before a first forward
+        assert same_losses
 
 
 def meta_job(grid):

@@ -16,9 +16,11 @@ from pathlib import Path, PurePosixPath
 
 import torch.distributed as dist
 
-from .files import FORMAT, MANIFEST_FILE, CheckpointError
+from .files import DCP_METADATA, FORMAT, LAYOUT_FILE, MANIFEST_FILE, CheckpointError
 
 _CHUNK = 1 << 22
+ALWAYS_LISTED = (DCP_METADATA, LAYOUT_FILE)
+"""The files every checkpoint lists: checking a whole checkpoint requires them listed, as loading reads them."""
 
 
 def file_entry(root: Path, name: str) -> dict:
@@ -81,17 +83,23 @@ def _problem(root: Path, name: str, entry: dict, hash_it: bool) -> str | None:
     return None
 
 
+def _checked(files: dict, names: list[str] | None) -> list[str]:
+    """The names to check: ``names``, or by default every listed file and :data:`ALWAYS_LISTED`."""
+    return sorted(names if names is not None else set(files) | set(ALWAYS_LISTED))
+
+
 def problems(root: str | Path, names: list[str] | None = None, hash_it: bool = True) -> list[str]:
-    """What is wrong with the files ``names`` (default: all) of checkpoint ``root``, in this process."""
+    """What is wrong with the files ``names`` (default: the whole checkpoint) of checkpoint ``root``, in this
+    process: a file the manifest does not list is read unchecked, so it is a problem too."""
     root = Path(root)
     files = read_manifest(root)["files"]
-    unknown = [f"{n} is not listed in the manifest" for n in (names or []) if n not in files]
-    return unknown + [p for n in (names if names is not None else sorted(files)) if n in files
-                      for p in [_problem(root, n, files[n], hash_it)] if p]
+    names = _checked(files, names)
+    unknown = [f"{n} is not listed in the manifest" for n in names if n not in files]
+    return unknown + [p for n in names if n in files for p in [_problem(root, n, files[n], hash_it)] if p]
 
 
 def verify(root: str | Path, names: list[str] | None = None, collective: bool = False) -> None:
-    """Raise :class:`CheckpointError` naming every missing, truncated or altered file of ``root``.
+    """Raise :class:`CheckpointError` naming every missing, unlisted, truncated or altered file of ``root``.
 
     ``collective=True`` (every rank of the default process group calls): the files are hashed
     ``world_size`` ways, and every rank raises the same error.
@@ -100,7 +108,7 @@ def verify(root: str | Path, names: list[str] | None = None, collective: bool = 
     if collective and dist.is_initialized() and dist.get_world_size() > 1:
         read_manifest(root)  # a missing manifest is seen by every rank alike
         rank, world = dist.get_rank(), dist.get_world_size()
-        share = sorted(names if names is not None else read_manifest(root)["files"])[rank::world]
+        share = _checked(read_manifest(root)["files"], names)[rank::world]
         found: list[list[str]] = [[] for _ in range(world)]
         dist.all_gather_object(found, problems(root, share))
         found_all = [p for ps in found for p in ps]
