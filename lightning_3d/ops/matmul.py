@@ -379,6 +379,8 @@ def _matmul(form: str, a, b, directions, grid, runtime: Runtime | None, options:
     grid = resolve_grid(grid)
     if grid.cube_size == 1:  # nothing to gather or scatter: the plain product, under plain autograd
         return _mm(form, a, _rows(form, b), bias)
+    if isinstance(runtime, RuntimeOptions) and options is None:  # options in the runtime's place: the former spelling
+        runtime, options = None, runtime
     if runtime is None:
         runtime = Runtime(options)
     elif options is not None:
@@ -419,7 +421,8 @@ def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, runtim
     any model takes ``options`` instead (default :class:`~lightning_3d.options.RuntimeOptions`):
     ``save_gathered=False`` re-gathers A and B in backward instead of keeping them (less memory,
     more communication); ``async_tp`` runs the gathers and scatters next to the product as
-    collective matmuls.
+    collective matmuls. A :class:`~lightning_3d.options.RuntimeOptions` given in ``runtime``'s
+    place is taken as ``options``.
     """
     return _matmul("ab", a, b, directions, grid, runtime, options)
 
