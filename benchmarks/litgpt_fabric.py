@@ -14,7 +14,7 @@ tokens with AdamW, as LitGPT's pretraining loop does, in a fresh process of its 
 Both start from the same weights (the same seed; the grid draws them in the same order). Warm-up
 steps (compilation included) are excluded; the cases alternate over ``--repeats`` runs. Tokens/s
 and peak memory (``torch.cuda.max_memory_allocated`` over the timed steps) per run, their medians and
-the ratios tensor3d / single go to ``OUT/litgpt_fabric.json``. ``--cpu``: a tiny smoke run on CPU.
+the ratios tensor3d / single go to ``OUT/litgpt_fabric.json`` (rewritten after each run). ``--cpu``: a tiny smoke run on CPU.
 
     python benchmarks/litgpt_fabric.py                       # one GPU
     python benchmarks/litgpt_fabric.py --cpu --no-compile    # smoke
@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.case is not None:
         Path(args.result).write_text(json.dumps(run_case(args.case, args)))
         return
+    out = Path(args.out) / "litgpt_fabric.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     runs = []
     for repeat in range(args.repeats):
         for case in CASES if repeat % 2 == 0 else CASES[::-1]:
@@ -160,11 +162,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"peak {run['peak_mem_gib'] if run['peak_mem_gib'] is not None else float('nan'):.2f} GiB  "
                   f"loss {run['losses'][0]:.4f} → {run['losses'][-1]:.4f}", flush=True)
             runs.append(run)
-    report = {"args": {k: v for k, v in vars(args).items() if k not in ("case", "result")}, "runs": runs, **summary(runs)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "litgpt_fabric.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report["tensor3d_over_single"]), f"→ {out / 'litgpt_fabric.json'}")
+            done = {r["case"] for r in runs} == set(CASES)  # the report so far, kept if a later run is cut short
+            report = {"args": {k: v for k, v in vars(args).items() if k not in ("case", "result")}, "runs": runs,
+                      **(summary(runs) if done else {})}
+            out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report["tensor3d_over_single"]), f"→ {out}")
 
 
 if __name__ == "__main__":
