@@ -14,7 +14,8 @@ tokens with AdamW, as LitGPT's pretraining loop does, in a fresh process of its 
 Both start from the same weights (the same seed; the grid draws them in the same order). Warm-up
 steps (compilation included) are excluded; the cases alternate over ``--repeats`` runs. Tokens/s
 and peak memory (``torch.cuda.max_memory_allocated`` over the timed steps) per run, their medians and
-the ratios tensor3d / single go to ``OUT/litgpt_fabric.json`` (rewritten after each run). ``--cpu``: a tiny smoke run on CPU.
+the ratios tensor3d / single go to ``OUT/litgpt_fabric.json`` (rewritten after each run). ``--cpu``: a
+tiny smoke run on CPU.
 
     python benchmarks/litgpt_fabric.py                       # one GPU
     python benchmarks/litgpt_fabric.py --cpu --no-compile    # smoke
