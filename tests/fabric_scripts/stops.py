@@ -1,6 +1,6 @@
 """Driver: a Fabric loop (``lightning_fabric``, auto 2×1×1 on 2 ranks, collective timeout 60 s) that loses a rank.
 
-``python stops.py preempt OUT`` (32-true): rank 1 sends itself SIGTERM after step ``SIGNAL_STEP``'s
+``python stops.py preempt OUT`` (16-true): rank 1 sends itself SIGTERM after step ``SIGNAL_STEP``'s
 ``check_preemption`` (noting the time in ``OUT/signalled_at``); every rank must stop at the same
 later step, save ``OUT/preempted`` and exit with status 143.
 ``python stops.py kill OUT`` (bf16-true): rank 1 SIGKILLs itself there (noting ``OUT/killed_at``); rank 0 must
@@ -35,7 +35,7 @@ from lightning_3d.models import DenseGPT
 from lightning_3d.strategy.lightning_fabric import Tensor3DFabricStrategy
 
 SIGNAL_RANK, SIGNAL_STEP, TIMEOUT_S = 1, 2, 60
-PRECISION = {"preempt": "32-true", "kill": "bf16-true"}
+PRECISION = {"preempt": "16-true", "kill": "bf16-true"}
 
 
 def main(mode: str, out: Path) -> None:
@@ -49,7 +49,8 @@ def main(mode: str, out: Path) -> None:
     torch.manual_seed(common.INIT_SEED)
     with fabric.init_module():  # materialised: parallelize shards its weights
         model = DenseGPT(common.config())
-    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=common.LR))
+    # eps 1e-4: AdamW's default 1e-8 is 0 in fp16, and 16-true's first update would divide by it
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=common.LR, eps=1e-4))
     loader = fabric.setup_dataloaders(DataLoader(common.Tokens(), batch_size=common.GLOBAL_BATCH, shuffle=True))
     state = {"model": model, "optimizer": opt, "step": 0}
     record = {"dtype": str(next(model.parameters()).dtype), "loss": []}
