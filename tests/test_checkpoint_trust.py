@@ -323,7 +323,7 @@ def test_files_the_manifest_does_not_list_are_refused(saved, tmp_path):
     for name in ("layout.json", "meta.pt", ".metadata"):
         unlisted[name] = copy_of(saved[0], tmp_path, f"unlisted{name}")
         relist(unlisted[name], [name], drop=True)
-    for name, read in [("layout.json", ckpt.read_layout), ("layout.json", ckpt.to_dense), ("meta.pt", ckpt.load_meta),
+    for name, read in [("layout.json", ckpt.read_record), ("layout.json", ckpt.to_dense), ("meta.pt", ckpt.load_meta),
                        (".metadata", ckpt.to_dense)]:
         with pytest.raises(CheckpointError, match=f"{name} is not listed in the manifest"):
             read(unlisted[name])

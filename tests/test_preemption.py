@@ -35,7 +35,7 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_checkpoint_and_resume_is_ex
     signalled = float((tmp_path / "signalled_at").read_text())
     exits = [float((tmp_path / f"exit.rank{r}").read_text()) for r in range(2)]
     assert max(exits) - signalled < 30, f"ranks exited {[round(e - signalled, 1) for e in exits]} s after the signal"
-    assert ckpt.read_layout(saved) and (saved / "meta.pt").is_file()
+    assert ckpt.read_record(saved) and (saved / "meta.pt").is_file()
 
     written = (saved / "manifest.json").stat().st_mtime_ns
     resumed = subprocess.run(driver + ["resume"], env=_env(), capture_output=True, text=True, timeout=240, check=False)

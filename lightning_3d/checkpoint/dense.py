@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import TensorStorageMetadata
 
 from ..dense_twin import global_to_dense
-from .files import LAYOUT_FILE, MODEL_KEY, CheckpointError
+from .files import MODEL_KEY, RECORD_FILE, CheckpointError
 from .store import verified_metadata
 from .untrusted import SafePlanner, SafeReader, load_weights_only
 
@@ -37,7 +37,7 @@ def dense_info(path: str | Path, prefix: str | None = None) -> dict[str, Any]:
 
     ``prefix=None`` takes the recorded dense root's; the rest is None unless ``prefix`` is its.
     """
-    return root_info(json.loads((Path(path) / LAYOUT_FILE).read_text()).get("dense_root"), prefix)
+    return root_info(json.loads((Path(path) / RECORD_FILE).read_text()).get("dense_root"), prefix)
 
 
 def root_info(root: dict[str, Any] | None, prefix: str | None = None) -> dict[str, Any]:
@@ -61,8 +61,8 @@ def to_dense(path: str | Path, prefix: str | None = None) -> dict[str, torch.Ten
     path = Path(path)
     metadata = verified_metadata(path, collective=False)
     prefix = dense_info(path, prefix)["prefix"]
-    layout = json.loads((path / LAYOUT_FILE).read_text())
-    shapes, transposed, orders = layout["dense_shapes"], set(layout.get("dense_transposed", ())), layout.get("dense_row_orders", {})
+    record = json.loads((path / RECORD_FILE).read_text())
+    shapes, transposed, orders = record["dense_shapes"], set(record.get("dense_transposed", ())), record.get("dense_row_orders", {})
     head = f"{MODEL_KEY}."
     full = {fqn[len(head):]: torch.empty(md.size, dtype=md.properties.dtype)
             for fqn, md in metadata.state_dict_metadata.items()

@@ -5,7 +5,7 @@ from __future__ import annotations
 FORMAT = "lightning_3d.sharded/1"
 MODEL_KEY = "state_dict"
 DCP_METADATA = ".metadata"
-LAYOUT_FILE = "layout.json"
+RECORD_FILE = "layout.json"  # the sharding record (:mod:`.saved_model`); the name every checkpoint carries
 MANIFEST_FILE = "manifest.json"
 META_FILE = "meta.pt"
 RNG_DIR = "rng"

@@ -16,10 +16,10 @@ from pathlib import Path, PurePosixPath
 
 import torch.distributed as dist
 
-from .files import DCP_METADATA, FORMAT, LAYOUT_FILE, MANIFEST_FILE, CheckpointError
+from .files import DCP_METADATA, FORMAT, MANIFEST_FILE, RECORD_FILE, CheckpointError
 
 _CHUNK = 1 << 22
-ALWAYS_LISTED = (DCP_METADATA, LAYOUT_FILE)
+ALWAYS_LISTED = (DCP_METADATA, RECORD_FILE)
 """The files every checkpoint lists: checking a whole checkpoint requires them listed, as loading reads them."""
 
 

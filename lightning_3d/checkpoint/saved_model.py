@@ -1,5 +1,5 @@
-"""``layout.json``: the grid a checkpoint was written on and the model's true shapes; the check that a
-checkpoint fits the model it is loaded into.
+"""A checkpoint's sharding record, ``layout.json``: the grid it was written on and the model's true
+shapes; the check that a checkpoint fits the model it is loaded into.
 
 ``layout.json`` holds ``grid``, ``data_parallel_size``, ``world_size``, ``dense_shapes`` (the true
 shape of every key whose global tensor differs: GPT3D's padded vocabulary rows, fused weights

@@ -19,7 +19,7 @@ from ..dense_twin import dense_row_orders, dense_shapes, dense_transposed
 from ..grid import Grid
 from ..sharding import get_spec
 from . import manifest
-from .files import DCP_METADATA, FORMAT, LAYOUT_FILE, META_FILE, MODEL_KEY, RNG_DIR, CheckpointError, optimizer_key, rng_file
+from .files import DCP_METADATA, FORMAT, META_FILE, MODEL_KEY, RECORD_FILE, RNG_DIR, CheckpointError, optimizer_key, rng_file
 from .publish import publish, remove, staging_path
 from .rng import rng_state
 from .saved_model import check_fits, dense_root
@@ -38,16 +38,16 @@ def _gather(value, failure: str | None, what: str) -> list:
 
 
 def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None, allowed: Sequence[type]) -> None:
-    """Write this rank's RNG file and, on rank 0, ``layout.json`` and ``meta.pt``."""
+    """Write this rank's RNG file and, on rank 0, the sharding record (``layout.json``) and ``meta.pt``."""
     rank = dist.get_rank()
     manifest.write_durably(staging / rng_file(rank), json.dumps(rng_state()).encode())
     if rank:
         return
-    layout = {"format": FORMAT, "grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size,
+    record = {"format": FORMAT, "grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size,
               "world_size": dist.get_world_size(), "dense_shapes": dense_shapes(module),
               "dense_transposed": dense_transposed(module), "dense_row_orders": dense_row_orders(module),
               "dense_root": dense_root(module)}
-    manifest.write_durably(staging / LAYOUT_FILE, json.dumps(layout, indent=1, default=str).encode())
+    manifest.write_durably(staging / RECORD_FILE, json.dumps(record, indent=1, default=str).encode())
     if meta is not None:
         buffer = io.BytesIO()
         torch.save(meta, buffer)
@@ -91,7 +91,7 @@ def save(path: str | Path, tensors: dict, grid: Grid, module: nn.Module, meta: d
         failure = f"cannot write its files into {staging}: {e}"
     _gather(None, failure, f"no checkpoint was written at {path}")
     data_files = sorted({info.relative_path for info in read_dcp_metadata(staging).storage_data.values()})
-    names = sorted([DCP_METADATA] + data_files + [rng_file(r) for r in range(world)] + [LAYOUT_FILE]
+    names = sorted([DCP_METADATA] + data_files + [rng_file(r) for r in range(world)] + [RECORD_FILE]
                    + ([META_FILE] if meta is not None else []))
     try:
         part = {n: manifest.file_entry(staging, n) for n in names[rank::world]}
@@ -107,11 +107,11 @@ def save(path: str | Path, tensors: dict, grid: Grid, module: nn.Module, meta: d
     _gather(None, failure, f"no checkpoint was written at {path}")
 
 
-def read_layout(path: str | Path) -> dict:
-    """The ``layout.json`` of a complete checkpoint; :class:`CheckpointError` when ``path`` is none."""
+def read_record(path: str | Path) -> dict:
+    """The sharding record (``layout.json``) of a complete checkpoint; :class:`CheckpointError` when ``path`` is none."""
     path = Path(path)
-    manifest.verify(path, [LAYOUT_FILE])
-    return json.loads((path / LAYOUT_FILE).read_text())
+    manifest.verify(path, [RECORD_FILE])
+    return json.loads((path / RECORD_FILE).read_text())
 
 
 def load_meta(path: str | Path, trusted: bool = False, allowed: Sequence[type] = ()) -> dict:
@@ -128,8 +128,8 @@ def load_meta(path: str | Path, trusted: bool = False, allowed: Sequence[type] =
 
 def load_rng_state(path: str | Path, grid: Grid) -> dict:
     """This rank's saved RNG state when the checkpoint was written on the same grid, else rank 0's."""
-    layout = read_layout(path)
-    same = layout["grid"] == list(grid.shape) and layout["data_parallel_size"] == grid.data_parallel_size
+    record = read_record(path)
+    same = record["grid"] == list(grid.shape) and record["data_parallel_size"] == grid.data_parallel_size
     name = rng_file(dist.get_rank() if same else 0)
     manifest.verify(path, [name])
     try:
@@ -168,7 +168,7 @@ def saved_key(path: str | Path, module: nn.Module) -> Callable[[str], str]:
     alone in Fabric (keys ``…``) differ by the prefix of their dense root (:func:`dense_root`,
     recorded in ``layout.json``): keys under the module's root move to the saved root's prefix.
     """
-    saved = read_layout(path).get("dense_root", {}).get("prefix", "")
+    saved = read_record(path).get("dense_root", {}).get("prefix", "")
     own = dense_root(module)["prefix"]
     if saved == own:
         return lambda key: key
@@ -186,9 +186,9 @@ def load_model_(module: nn.Module, grid: Grid, path: str | Path, strict: bool = 
     """
     path = Path(path)
     metadata = verified_metadata(path, collective=True)
-    layout = json.loads((path / LAYOUT_FILE).read_text())
+    record = json.loads((path / RECORD_FILE).read_text())
     key = saved_key(path, module)
-    check_fits(path, saved_shapes(metadata, MODEL_KEY), layout.get("dense_shapes", {}),
+    check_fits(path, saved_shapes(metadata, MODEL_KEY), record.get("dense_shapes", {}),
                {key(k): v for k, v in global_shapes(module).items()}, {key(k): v for k, v in dense_shapes(module).items()}, strict)
     state = {key(k): v for k, v in model_state(module, grid).items()
              if strict or f"{MODEL_KEY}.{key(k)}" in metadata.state_dict_metadata}
