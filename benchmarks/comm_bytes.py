@@ -7,7 +7,8 @@ FSDP2, DDP's reducer and the 3-D layers call them) or through the functional col
 and every peer's alike, in forward and in backward (autograd carries the mode to the thread that
 runs backward). A collective of ``g`` ranks over a tensor of ``B`` bytes (the gathered tensor, or
 the one reduced) counts as a ring moves it: all-gather and reduce-scatter ``B·(g−1)/g`` sent by
-each rank, all-reduce ``2·B·(g−1)/g``, all-to-all ``B·(g−1)/g``, broadcast ``B`` from the root.
+each rank, all-reduce ``2·B·(g−1)/g``, all-to-all ``B·(g−1)/g``, broadcast ``B`` (each rank
+forwards it once, as a ring does).
 Groups of one rank send nothing.
 """
 
