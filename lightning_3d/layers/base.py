@@ -124,9 +124,9 @@ def grid_of(model: nn.Module) -> Grid:
 
 @torch.no_grad()
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The dense twin's ``state_dict()`` of a parallelized model (or a 3-D layer): full tensors under the
-    original keys, shapes and layouts (vocabulary padding dropped, packed weights flattened, ``[in, out]``
-    weights transposed back), on every cube rank. Collective over the cube."""
+    """The dense twin's ``state_dict()`` of a parallelized model (or a 3-D layer): full tensors under its
+    keys, in its shapes (vocabulary padding dropped, packed weights flattened, ``[in, out]`` weights as it
+    stores them), on every cube rank. Collective over the cube."""
     grid = grid_of(model)
     out, done, shapes, transposed, orders = {}, {}, dense_shapes(model), set(dense_transposed(model)), dense_row_orders(model)
     for key, t in model.state_dict(keep_vars=True).items():
