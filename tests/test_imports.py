@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import itertools
 from pathlib import Path
 
 import pytest
@@ -176,7 +177,7 @@ def test_no_import_circle():
     problems = []
     for component in cycles(edges):
         path = one_circle(component, edges)
-        steps = " -> ".join(f"{known[a].relative_to(ROOT)}:{where[a, b][0]}" for a, b in zip(path, path[1:]))
+        steps = " -> ".join(f"{known[a].relative_to(ROOT)}:{where[a, b][0]}" for a, b in itertools.pairwise(path))
         problems.append(f"{len(component)} modules import each other in a circle: {steps} -> {known[path[0]].relative_to(ROOT)}")
     assert not problems, "\n".join(problems)
 
