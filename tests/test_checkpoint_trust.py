@@ -411,3 +411,21 @@ def test_lightning_refuses_another_model_and_exports_without_prefix(tmp_path):
     model = dense_gpt(out)
     assert model.config == GPTConfig(vocab_size=60, block_size=8, n_layer=2, n_head=2, n_embd=16)
     assert_equal(model.state_dict(), torch.load(tmp_path / "dense_state.pt"), "DenseGPT from a Lightning checkpoint's export")
+
+
+def test_meta_holds_a_model_config_only_where_the_caller_allows_it(tmp_path):
+    """The checkpoint package allows no model's class in ``meta.pt``; the strategies allow ``GPTConfig``
+    (a LightningModule's hyper-parameter), and still nothing that runs code."""
+    from lightning_3d.checkpoint.untrusted import load_weights_only
+    from lightning_3d.strategy.checkpoints import META_CLASSES
+
+    meta = tmp_path / "meta.pt"
+    torch.save({"hyper_parameters": {"config": config()}}, meta)
+    with pytest.raises(CheckpointError, match="GPTConfig"):
+        load_weights_only(meta)
+    assert load_weights_only(meta, allowed=META_CLASSES)["hyper_parameters"]["config"] == config()
+    marker = tmp_path / "ran"
+    torch.save({"hyper_parameters": {"config": config(), "payload": Payload(marker)}}, meta)
+    with pytest.raises(CheckpointError):
+        load_weights_only(meta, allowed=META_CLASSES)
+    assert not marker.exists()
