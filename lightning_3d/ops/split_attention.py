@@ -25,10 +25,11 @@ because ``scaled_dot_product_attention`` returns no log-sum-exp.
 Why this form (``benchmarks/micro/split_attention.py``, one H200, torch 2.11, Llama-7B heads,
 bf16, forward + backward of P ranks' kernels one after another against one causal SDPA over the
 whole sequence, which runs on cuDNN): at s = 128k it takes 0.99-1.02x the causal SDPA's time for
-P = 2-8, at 32k 1.07-1.15x; one SDPA call per chunk with a lower-right causal mask
-(``causal_lower_right``) reaches only the flash kernel, 1.6-1.8x (flash is 1.7x cuDNN on the
-whole sequence); ``flex_attention`` with a block mask, compiled, 1.34-1.44x. At 8k with P >= 4 every
-form is dominated by the launch cost of many small calls.
+P = 2-8 (grouped-query and multi-head), at 32k 1.07-1.24x; one SDPA call per chunk with a
+lower-right causal mask (``causal_lower_right``) reaches only the flash kernel, 1.6-1.9x (flash
+is 1.65-1.8x cuDNN on the whole sequence); ``flex_attention`` with a block mask, compiled,
+1.34-1.52x. At 8k the P ranks' many small calls leave the GPU waiting for the host (1.7-7x in
+time, 1.4-2.2x in the kernels' own time).
 
 :func:`split_causal_attention` is the two together: ``q`` ``[b, 2L, heads, d]`` and local
 ``k, v`` ``[b, 2L, kv_heads, d]`` → ``[b, 2L, heads·d]``, this rank's rows of the dense causal
@@ -85,13 +86,15 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup, dim: int = 1)
     return _GatherSequence.apply(local, group, dim % local.dim())
 
 
-def _block_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """The fused kernel the blocks run on: ``"cudnn"`` or ``"flash"`` on CUDA (the first that takes the
-    shapes and dtype, as SDPA would choose), ``"cpu"`` (CPU's flash kernel) on CPU."""
+def _block_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> str:
+    """The fused kernel the blocks of ``length`` queries run on: ``"cudnn"`` or ``"flash"`` on CUDA (the
+    first that takes a diagonal block, square and causal, as SDPA would choose; flash refuses a causal
+    mask on a rectangle), ``"cpu"`` (CPU's flash kernel) on CPU."""
     if q.device.type == "cpu":
         return "cpu"
     if q.is_cuda:
-        params = SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1])
+        diagonal = (t[:, :, :length] for t in (q, k, v))
+        params = SDPAParams(*diagonal, None, 0.0, True, q.shape[1] != k.shape[1])
         if can_use_cudnn_attention(params):
             return "cudnn"
         if can_use_flash_attention(params):
@@ -150,7 +153,7 @@ class _ZigZagAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rank: int, ranks: int, scale: float | None):
         length = q.shape[2] // 2
-        kernel = _block_kernel(q, k, v)
+        kernel = _block_kernel(q, k, v, length)
         blocks, states = _blocks(rank, ranks, length), []
         outs, lses = [None, None], [None, None]
         for slot, start, end, causal in blocks:
@@ -174,15 +177,15 @@ class _ZigZagAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         length = q.shape[2] // 2
-        # each chunk's rows of dout, out and lse, contiguous as the kernels' backwards take them
-        rows = [slice(slot * length, (slot + 1) * length) for slot in range(2)]
-        chunk = [[t[:, :, r].contiguous() for t in (dout, out, lse)] for r in rows]
+        dout = dout.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for (slot, start, end, causal), state in zip(ctx.blocks, ctx.states):
-            dout_c, out_c, lse_c = chunk[slot]
-            grads = _block_backward(ctx.kernel, dout_c, q[:, :, rows[slot]], k[:, :, start:end], v[:, :, start:end],
-                                    out_c, lse_c, causal, ctx.scale, state)
-            for total, grad, span in zip((dq, dk, dv), grads, (rows[slot], slice(start, end), slice(start, end))):
+            rows = slice(slot * length, (slot + 1) * length)
+            # each block's backward gets its own copy of the log-sum-exp, as measured right with cuDNN on torch
+            # 2.11 (one copy, and contiguous copies of dout and out, shared by a chunk's two: wrong gradients)
+            grads = _block_backward(ctx.kernel, dout[:, :, rows], q[:, :, rows], k[:, :, start:end], v[:, :, start:end],
+                                    out[:, :, rows], lse[:, :, rows].clone(), causal, ctx.scale, state)
+            for total, grad, span in zip((dq, dk, dv), grads, (rows, slice(start, end), slice(start, end))):
                 total[:, :, span] += grad
         return dq, dk, dv, None, None, None
 
