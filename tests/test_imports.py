@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("layers", ("lightning_3d.layers",)),
     ("parallel", ("lightning_3d.parallel",)),
     ("models", ("lightning_3d.models", "lightning_3d.hf", "lightning_3d.litgpt")),
-    ("cost", ("lightning_3d.cost", "lightning_3d.planner", "lightning_3d.machine")),
+    ("cost", ("lightning_3d.cost",)),
     ("integration", ("lightning_3d.strategy", "lightning_3d")),
     ("deepspeed", ("deepspeed_3d",)),
 ]

@@ -74,7 +74,7 @@ def test_auto_grid_factors_evenly(n, shape):
 
 def test_auto_grid_from_the_cost_model():
     """With the model's shape, "auto" takes the planner's pick: the grids measured fastest on 4 GPUs."""
-    from lightning_3d.planner import ModelShape
+    from lightning_3d.cost import ModelShape
 
     assert grid_rules.resolve("auto", "auto", 4, 4, ModelShape(4096, 32, 2048, 8, 4)) == ((4, 1, 1), 1)
     assert grid_rules.resolve("auto", "auto", 4, 4, ModelShape(8192, 64, 2048, 4, 2)) == ((1, 4, 1), 1)
@@ -86,7 +86,7 @@ def _links(pairs_GBps: float | None, quads_GBps: float):
     """DEFAULT_MACHINE with the links of groups of four (and of two, unless None) at the given bus bandwidth."""
     import dataclasses
 
-    from lightning_3d.planner import DEFAULT_MACHINE, Link
+    from lightning_3d.cost import DEFAULT_MACHINE, Link
 
     def link(size, default):
         speed = quads_GBps if size == 4 else pairs_GBps
@@ -104,7 +104,7 @@ def test_auto_grid_prices_with_the_given_machine():
     pairs; resolved in the launching process."""
     import lightning.pytorch as pl
 
-    from lightning_3d.planner import ModelShape
+    from lightning_3d.cost import ModelShape
     from lightning_3d import Tensor3DStrategy
 
     shape = ModelShape(**LLAMA_7B_JOB)
@@ -120,7 +120,7 @@ def test_auto_grid_prices_a_half_precision_gradient_hook():
     import lightning.pytorch as pl
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from lightning_3d.planner import ModelShape
+    from lightning_3d.cost import ModelShape
     from lightning_3d import Tensor3DStrategy
 
     shape, machine = ModelShape(**LLAMA_7B_JOB), _links(60.0, 15.0)
@@ -142,7 +142,7 @@ def test_auto_grid_prices_the_default_options():
 
     from lightning_3d import Tensor3DStrategy
     from lightning_3d.options import RuntimeOptions
-    from lightning_3d.planner import ModelShape
+    from lightning_3d.cost import ModelShape
 
     shape, machine = ModelShape(**LLAMA_7B_JOB), _links(30.0, 15.0)
     assert RuntimeOptions().grads_at_end

@@ -34,10 +34,10 @@ from typing import Any, Callable, ClassVar, Literal
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import arguments, planner
+from .. import arguments, cost
 from .. import checkpoint as ckpt
 from ..parallel import set_options
-from ..planner import ModelShape
+from ..cost import ModelShape
 from .checkpoints import FABRIC_STATE_KEY, load_meta, load_sharded, save_sharded
 from .failures import ReportFailuresOnce, same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
@@ -67,21 +67,21 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         grid: ``(px, py, pz)``, or ``"auto"``: the devices of one node (``world / dp`` when
             ``data_parallel_size`` is given) factored as evenly as possible, px ≥ py ≥ pz
             (8 → 2×2×2, 4 → 2×2×1, 2 → 2×1×1); with ``model_shape`` (and dp ``"auto"``),
-            the grid and dp the cost model predicts fastest (:mod:`lightning_3d.planner`).
+            the grid and dp the cost model predicts fastest (:mod:`lightning_3d.cost`).
         data_parallel_size: model replicas, or ``"auto"``: the rest of the world.
         zero_stage: 0, or 1 to shard optimizer state over the dp group (ZeRO-1).
         process_group_backend: ``"nccl"`` / ``"gloo"``; default from the device.
         timeout: collective timeout (timedelta or seconds, positive and finite): how long a rank
             waits for a dead or stalled peer before the run fails.
-        model_shape: ``planner.ModelShape(hidden, heads, seq, batch, layers, ...)`` of the model
+        model_shape: ``cost.ModelShape(hidden, heads, seq, batch, layers, ...)`` of the model
             and global batch (``kv_heads``, ``gated`` for Llama-style blocks; ``vocab``: priced as the
             whole training step), for ``grid="auto"``.
         async_tp: run the activation gathers and scatters of the 3-D products as collective
             matmuls over symmetric memory (the model's ``RuntimeOptions.async_tp``, set at setup; GPUs of one NVLink
             domain); see ``docs/benchmarks.md`` for where it pays.
-        machine: the rates ``grid="auto"`` prices with, e.g. ``planner.Machine.from_rates(...)`` of
-            what :func:`lightning_3d.machine.measure_machine` measured on these nodes (slow links
-            change the choice); default ``planner.DEFAULT_MACHINE``.
+        machine: the rates ``grid="auto"`` prices with, e.g. ``cost.Machine.from_rates(...)`` of
+            what :func:`lightning_3d.cost.measure_machine` measured on these nodes (slow links
+            change the choice); default ``cost.DEFAULT_MACHINE``.
         checkpoint_on_preemption: where to save a checkpoint when any rank receives SIGTERM or
             SIGINT during training; every rank then stops at the same step and exits with status
             ``128 + signal`` (:mod:`lightning_3d.strategy.preemption`). None: stop without saving.
@@ -112,7 +112,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         model_shape: ModelShape | None = None,
         async_tp: bool = False,
-        machine: planner.Machine | None = None,
+        machine: cost.Machine | None = None,
         checkpoint_on_preemption: str | os.PathLike | None = None,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
