@@ -5,7 +5,8 @@ sum of exponentials and the target logit are reduced over y (in at least fp32), 
 holds the same per-token losses; the mean over the non-ignored tokens of the cube's whole batch
 then sums over x and z only. Every cube rank returns the same scalar, and backward is the local
 gradient of that one scalar: ``(softmax − onehot) / n_tokens``. Eagerly the fp32 exponentials are
-kept for it; compiled, the logits are kept (half the bytes in bf16) and the softmax recomputed.
+kept for it; compiled, the logits are kept (half the bytes in bf16) and the softmax recomputed, in
+one kernel that writes the logits' gradient in their dtype.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def _sums_keep_exp(logits: torch.Tensor, row_max: torch.Tensor, local: torch.Ten
     """``([2, ...], kept)``: the sum of ``exp(x − max)`` over this vocab block and the target's logit
     (0 where the target lies in another block); ``kept`` = ``exp(x − max)`` in fp32 for backward."""
     x = logits.to(row_max.dtype)
-    exp = torch.exp(x - row_max)
     target = torch.gather(x, -1, local.unsqueeze(-1)).squeeze(-1) * hit
+    exp = (x - row_max if x is logits else x.sub_(row_max)).exp_()  # the cast's copy reused: one fp32 block, not three
     return torch.stack([exp.sum(-1), target]), exp
 
 
@@ -57,8 +58,14 @@ def _grad_from_exp(exp, row_max, sum_exp, local, onehot_rows, scale, dtype) -> t
 
 
 def _grad_from_logits(logits, row_max, sum_exp, local, onehot_rows, scale, dtype) -> torch.Tensor:
-    """As :func:`_grad_from_exp`, the exponentials recomputed from the kept logits."""
-    return _grad_from_exp(torch.exp(logits.to(row_max.dtype) - row_max), row_max, sum_exp, local, onehot_rows, scale, dtype)
+    """As :func:`_grad_from_exp`, the exponentials recomputed from the kept logits, and the one-hot
+    subtracted elementwise (a comparison with the column index, not a scatter), so that compiled it
+    is one kernel writing the gradient in ``dtype``: a scatter would make it keep the fp32
+    gradient ``[..., V/py]`` beside the logits and their gradient."""
+    g = torch.exp(logits.to(row_max.dtype) - row_max) / sum_exp.unsqueeze(-1)
+    column = torch.arange(logits.shape[-1], device=logits.device)
+    onehot = (column == local.unsqueeze(-1)) & onehot_rows.unsqueeze(-1)
+    return ((g - onehot.to(g.dtype)) * scale.unsqueeze(-1)).to(dtype)
 
 
 # Eager: keep the fp32 exponentials (fewest passes over memory). Compiled: keep the logits and
