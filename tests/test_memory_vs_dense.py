@@ -48,3 +48,36 @@ def test_compiled_cross_entropy_gradient_keeps_no_fp32_logits():
     assert grad.dtype == torch.bfloat16 and torch.equal(grad, eager)
     full = [line for line in code.splitlines() if "empty_strided" in line and f"({rows}, {vocab})" in line]
     assert full and all("torch.bfloat16" in line for line in full), full
+
+
+def _hf_loss_follows_compile(shape) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import harness
+    from lightning_3d.parallel import parallelize, set_options
+
+    grid = harness.grid(shape)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=16)
+    model = parallelize(LlamaForCausalLM(config), grid=grid)
+    logits = torch.randn(2, 8, 64, requires_grad=True)
+    labels = torch.randint(0, 64, (2, 8))
+    used = {}
+    for compile_ in (False, True):
+        set_options(model, compile=compile_)
+        loss = model.loss_function(logits, labels, 64)
+        (grad,) = torch.autograd.grad(loss, logits)
+        used[compile_] = (loss.grad_fn.math, loss.detach(), grad)
+    return {"eager_math": used[False][0] is cross_entropy._EAGER, "compiled_math": used[True][0] is cross_entropy._compiled(),
+            "loss_err": (used[True][1] - used[False][1]).abs().item(), "grad_err": (used[True][2] - used[False][2]).abs().max().item()}
+
+
+def test_hf_loss_runs_compiled_with_the_model_options():
+    """A parallelized Hugging Face model's loss runs its local passes compiled from the call after
+    ``set_options(model, compile=True)`` on, with the eager loss and gradient."""
+    import harness
+
+    for result in harness.run(2, _hf_loss_follows_compile, (1, 1, 1)):
+        assert result["eager_math"] and result["compiled_math"], result
+        assert result["loss_err"] < 1e-6 and result["grad_err"] < 1e-7, result

@@ -33,7 +33,7 @@ from torch import nn
 from ..agreement import agree_on_first_call
 from ..grid import Grid
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
-from ..runtime import DeferredTokenChecks
+from ..runtime import Runtime
 
 CACHE_ARGS = ("cache", "past_key_values")
 
@@ -141,19 +141,21 @@ def projection_input_as_z(projection: nn.Module, args: tuple) -> tuple:
 
 def causal_lm_loss_3d(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None, *, grid: Grid,
                       num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
-                      shift_labels: torch.Tensor | None = None, deferred: DeferredTokenChecks | None = None,
+                      shift_labels: torch.Tensor | None = None, runtime: Runtime | None = None,
                       **kwargs) -> torch.Tensor:
     """transformers' causal-LM loss on y-layout logits ``[b/(px·pz), s, V'/py]`` and full labels ``[b, s]``.
 
     Labels are shifted as transformers shifts them (position ``t`` predicts label ``t+1``; the last
     position is ignored) unless ``shift_labels`` is given. The mean over non-ignored tokens, or
     their sum over ``num_items_in_batch`` when given; the same scalar on every cube rank. Labels
-    outside the vocabulary raise, as the model's open ``deferred`` checks close (at once without).
+    outside the vocabulary raise, as the open token checks of the model's ``runtime`` close (at once
+    without); its options' ``compile`` runs the local passes over the logits through ``torch.compile``.
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     loss = vocab_parallel_cross_entropy(logits, shift_labels.to(logits.device), ignore_index, grid, vocab_size,
-                                        deferred=deferred)
+                                        compiled=runtime is not None and runtime.options.compile,
+                                        deferred=None if runtime is None else runtime.token_checks)
     if num_items_in_batch is not None:
         loss = loss * (shift_labels != ignore_index).sum() / num_items_in_batch
     return loss

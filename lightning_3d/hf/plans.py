@@ -62,8 +62,9 @@ def _check_common(model: nn.Module, grid: Grid, heads: int) -> None:
 
 
 def _use_3d_loss(model: nn.Module, grid: Grid) -> None:
-    """The model's loss is the 3-D one; its label checks are read as the model's forward ends."""
-    model.loss_function = functools.partial(causal_lm_loss_3d, grid=grid, deferred=runtime_of(model).token_checks)
+    """The model's loss is the 3-D one, run by the model's runtime: its label checks read as the
+    model's forward ends, its local passes compiled while the options say ``compile``."""
+    model.loss_function = functools.partial(causal_lm_loss_3d, grid=grid, runtime=runtime_of(model))
 
 
 def check_llama(model: nn.Module, grid: Grid) -> None:
