@@ -19,7 +19,7 @@ def test_memory_vs_dense_benchmark_on_cpu(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "micro", "memory_vs_dense.py"), "--cpu", "--cases", "llama",
            "--warmup", "1", "--steps", "1", "--out", str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(tmp_path / "memory_vs_dense.json") as f:
         (result,) = json.load(f)["results"]
@@ -51,9 +51,9 @@ def test_compiled_cross_entropy_gradient_keeps_no_fp32_logits():
 
 
 def _hf_loss_follows_compile(shape) -> dict:
+    import harness
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import harness
     from lightning_3d.parallel import parallelize, set_options
 
     grid = harness.grid(shape)

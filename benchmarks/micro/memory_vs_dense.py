@@ -40,16 +40,18 @@ GIB = 2**30
 MIB = 2**20
 
 CASES = {  # name: (model fields, batch, seq)
-    "gpt2": (dict(style="gpt2", vocab_size=50304, n_embd=2048, n_head=16, n_layer=24), 8, 2048),
-    "llama": (dict(style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_kv_head=8, n_layer=8, ffn_hidden=11008), 8, 2048),
-    "hf-llama": (dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
-                      num_hidden_layers=16, vocab_size=32000), 4, 2048),
+    "gpt2": ({"style": "gpt2", "vocab_size": 50304, "n_embd": 2048, "n_head": 16, "n_layer": 24}, 8, 2048),
+    "llama": ({"style": "llama", "vocab_size": 32000, "n_embd": 4096, "n_head": 32, "n_kv_head": 8, "n_layer": 8,
+               "ffn_hidden": 11008}, 8, 2048),
+    "hf-llama": ({"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4,
+                  "num_hidden_layers": 16, "vocab_size": 32000}, 4, 2048),
 }
 TINY = {
-    "gpt2": (dict(style="gpt2", vocab_size=256, n_embd=64, n_head=4, n_layer=2), 4, 32),
-    "llama": (dict(style="llama", vocab_size=256, n_embd=64, n_head=4, n_kv_head=2, n_layer=2, ffn_hidden=96), 4, 32),
-    "hf-llama": (dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=2, vocab_size=256), 4, 32),
+    "gpt2": ({"style": "gpt2", "vocab_size": 256, "n_embd": 64, "n_head": 4, "n_layer": 2}, 4, 32),
+    "llama": ({"style": "llama", "vocab_size": 256, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "n_layer": 2,
+               "ffn_hidden": 96}, 4, 32),
+    "hf-llama": ({"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+                  "num_hidden_layers": 2, "vocab_size": 256}, 4, 32),
 }
 
 
@@ -308,7 +310,7 @@ def run_case(name: str, args) -> dict:
     ids = torch.randint(0, vocab, (batch, seq + (name != "hf-llama")), device=device)
     result = {"case": name, "fields": fields, "batch": batch, "seq": seq, "compiled": compile_}
     dense, twin, loss_of = make(fields, seq, device, compile_)
-    kw = dict(cpu=cpu, warmup=args.warmup, steps=args.steps, snapshot=args.snapshot)
+    kw = {"cpu": cpu, "warmup": args.warmup, "steps": args.steps, "snapshot": args.snapshot}
     result["dense"] = measure(dense, loss_of, ids, **kw)
     model = twin()
     del dense
