@@ -13,10 +13,12 @@ Per model: the peak allocated memory over the measured steps (CUDA), the median 
 bytes autograd keeps for backward after one forward, read from the autograd graph (each storage
 once; parameters and views of them cost nothing and are counted apart), by category (the node that
 saved it and the dtype). ``--snapshot`` adds, from one more (untimed) step recorded by
-``torch.cuda.memory._record_memory_history``, the largest allocation sites live at its peak. ``--cpu``: tiny shapes, eager (``--compile`` to compile anyway),
-no timing worth reading; the saved bytes are exact at any shape.
+``torch.cuda.memory._record_memory_history``, the largest allocation sites live at its peak.
+``--cpu``: tiny shapes, eager (``--compile`` to compile anyway), the peak of the bytes a step's
+tensors hold instead of CUDA's peak (:class:`LiveBytes`), no timing worth reading; the saved bytes
+are exact at any shape.
 
-    PYTHONPATH=. python benchmarks/micro/memory_vs_dense.py --out OUT                 # one GPU
+    PYTHONPATH=. python benchmarks/micro/memory_vs_dense.py --cases gpt2 --snapshot --out OUT   # one GPU
     PYTHONPATH=. python benchmarks/micro/memory_vs_dense.py --cpu --cases llama --out OUT
 """
 
@@ -283,8 +285,8 @@ def peak_sites(snap: dict, top: int = 15) -> list[dict]:
     sites = Counter()
     for event in live.values():
         frames = event.get("frames") or []
-        where = next((f for f in frames if any(k in f["filename"] for k in ("lightning_3d", "transformers", "torchinductor", "micro"))),
-                     frames[0] if frames else None)
+        ours = (f for f in frames if any(k in f["filename"] for k in ("lightning_3d", "transformers", "torchinductor", "micro")))
+        where = next(ours, frames[0] if frames else None)
         sites["?" if where is None else f"{where['filename'].split('/')[-1]}:{where['line']} {where['name']}"] += event["size"]
     return [{"site": k, "mib": round(v / MIB, 1)} for k, v in sites.most_common(top)]
 
@@ -364,7 +366,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--snapshot", action="store_true", help="the largest allocation sites live at the peak of one more, recorded step (CUDA)")
+    parser.add_argument("--snapshot", action="store_true", 
+                        help="the largest allocation sites live at the peak of one more, recorded step (CUDA)")
     parser.add_argument("--tensors", action="store_true", help="list every saved tensor in the JSON")
     parser.add_argument("--out", help="a folder for memory_vs_dense.json")
     args = parser.parse_args()
