@@ -43,7 +43,7 @@ def exchange(values: Mapping[str, object], group: dist.ProcessGroup) -> list[dic
     return [json.loads(bytes(row[:n].tolist())) for row, n in zip(rows, lengths)]
 
 
-def _ranks(ranks: list[int]) -> str:
+def describe_ranks(ranks: list[int]) -> str:
     """``[0, 1, 2, 3, 6]`` → ``"ranks 0-3, 6"``."""
     spans, start = [], ranks[0]
     for prev, r in zip(ranks, ranks[1:] + [None]):
@@ -61,7 +61,7 @@ def require_equal(seen: list[Mapping[str, str]], names, global_ranks: list[int],
         for rank, values in zip(global_ranks, seen):
             holders.setdefault(values.get(name, "nothing"), []).append(rank)
         if len(holders) > 1:
-            parts.append(f"{name} = " + ", ".join(f"{v} on {_ranks(r)}" for v, r in holders.items()))
+            parts.append(f"{name} = " + ", ".join(f"{v} on {describe_ranks(r)}" for v, r in holders.items()))
     if parts:
         raise ValueError(f"{what}: the ranks disagree on " + "; ".join(parts) + f". {fix}")
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 import torch.distributed
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException
 
+from lightning_3d import Linear3D
 from lightning_3d import checkpoint as ckpt
 from lightning_3d.checkpoint import CheckpointError
 from lightning_3d.checkpoint.manifest import file_entry
@@ -130,10 +130,67 @@ def optimizer_job(path: str, save: bool) -> str:
     try:
         ckpt.load_model_(holder, grid, path)
         ckpt.load_optimizer_(optimizer, 0, names, grid, path, ckpt.optimizer_state(optimizer, names, grid)["param_groups"])
-    except (CheckpointError, CheckpointException) as e:  # a refusal inside dcp.load reaches the caller wrapped by DCP
+    except CheckpointError as e:
         return str(e)
     every = len(optimizer.state) == len(names)
     return f"loaded steps {sorted({s['steps'] for s in optimizer.state.values()}, key=repr)} for {'every' if every else 'some'} parameter"
+
+
+class Tally(nn.Module):
+    """Extra state as plain JSON data."""
+
+    def __init__(self):
+        super().__init__()
+        self.stats = {"seen": 0, "tags": [], "rate": 0.0, "last": None}
+
+    def get_extra_state(self):
+        return self.stats
+
+    def set_extra_state(self, state):
+        self.stats = state
+
+
+class Scale(nn.Module):
+    """Extra state as a tensor (a fresh one each time, as a module computing it would return)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.zeros(3)
+
+    def get_extra_state(self):
+        return self.scale.clone()
+
+    def set_extra_state(self, state):
+        self.scale = state.clone()
+
+
+class WithExtraState(nn.Module):
+    def __init__(self, grid):
+        super().__init__()
+        self.proj = Linear3D(4, 4, grid=grid)
+        self.tally, self.scale = Tally(), Scale()
+
+
+def extra_state_job(path: str, save: bool):
+    """Save extra state on 2×1×1 (and try what must be refused), or load it on 1×1×1·dp2: what came back."""
+    grid = harness.grid((2, 1, 1)) if save else harness.grid((1, 1, 1), dp=2)
+    torch.manual_seed(0)
+    model = WithExtraState(grid)
+    if not save:
+        ckpt.load_model_(model, grid, path)
+        return {"stats": model.tally.stats, "scale": model.scale.scale.tolist(), "weight": model.proj.dense_state_dict()}
+    model.tally.stats = {"seen": 7, "tags": ["x", "y"], "rate": 0.25, "last": None}
+    model.scale.scale = torch.tensor([1.0, 2.0, 3.0])
+    ckpt.save(path, {ckpt.MODEL_KEY: ckpt.model_state(model, grid)}, grid, model)
+    refused = []
+    for bad in [("a", 1), {1: "x"}, Path("p"), float("nan")]:
+        model.tally.stats = bad
+        try:
+            ckpt.model_state(model, grid)
+            refused.append(f"{bad!r} accepted")
+        except CheckpointError as e:
+            refused.append(str(e))
+    return {"refused": refused, "weight": model.proj.dense_state_dict()}
 
 
 def rng_job(path: str) -> str:
@@ -273,9 +330,51 @@ def test_payload_in_a_distcp_bytes_entry_runs_nothing(tmp_path):
     entry = "optimizer_0.state.model.transformer.h.0.attn.c_attn.weight.steps"
     shard = plant_entry(path, entry, marker)
     assert shard.endswith(".distcp"), shard
-    for r in harness.run(4, optimizer_job, str(path), False):
-        assert f"refusing to read the entry {entry!r}" in r and "GLOBAL exec" in r, r
+    for r in harness.run(4, optimizer_job, str(path), False):  # a CheckpointError, not DCP's CheckpointException
+        assert f"cannot load {path}: ranks 0-3: refusing to read the entry {entry!r} in {shard}" in r, r
+        assert "GLOBAL exec" in r and "add_safe_globals" in r and r.count("refusing") == 1, r
     assert not marker.exists(), "loading the checkpoint ran the code planted in a .distcp entry"
+
+
+def test_a_dcp_failure_is_a_checkpoint_error_and_ctrl_c_stays_itself(tmp_path, monkeypatch):
+    """In one process: a refused entry is a CheckpointError naming rank, entry and file; a KeyboardInterrupt
+    inside DCP's read stays a BaseException (DCP's own CheckpointException), not an error to catch."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+
+    from lightning_3d.checkpoint import untrusted
+
+    path, marker = tmp_path / "small", tmp_path / "ran"
+    with pytest.warns(UserWarning):  # DCP warns that it runs in one process
+        dcp.save({"w": torch.ones(2), "note": "text"}, checkpoint_id=path, no_dist=True)
+    shard = plant_entry(path, "note", marker)
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError) as e:
+        untrusted.load_dcp({"w": torch.empty(2), "note": ""}, path, no_dist=True)
+    assert str(e.value).startswith(f"cannot load {path}: rank 0: refusing to read the entry 'note' in {shard}"), e.value
+    assert not marker.exists(), "loading ran the planted code"
+
+    def interrupted(self, read_item, value):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(untrusted.SafePlanner, "load_bytes", interrupted)
+    with pytest.warns(UserWarning), pytest.raises(CheckpointException) as e:
+        untrusted.load_dcp({"w": torch.empty(2), "note": ""}, path, no_dist=True)
+    assert not isinstance(e.value, Exception)
+
+
+def test_extra_state_round_trips_across_grids_and_only_as_plain_data(tmp_path):
+    """``get_extra_state``: JSON data and tensors are saved, restored through ``set_extra_state`` on another grid;
+    anything that would need unpickling a class is refused at save time, naming the module and the fix."""
+    path = tmp_path / "extra.ckpt"
+    saved = harness.run(2, extra_state_job, str(path), True)
+    for r in saved:
+        for message in r["refused"]:
+            assert message.startswith("tally._extra_state: Tally.get_extra_state() returned") and "plain JSON data" in message, message
+    loaded = harness.run(2, extra_state_job, str(path), False)
+    for r in loaded:
+        assert r["stats"] == {"seen": 7, "tags": ["x", "y"], "rate": 0.25, "last": None}, r["stats"]
+        assert r["scale"] == [1.0, 2.0, 3.0], r["scale"]
+        assert_equal(r["weight"], saved[0]["weight"], "Linear3D beside extra state, 2x1x1 -> 1x1x1 dp2")
 
 
 def test_payload_in_deepspeed_model_states_runs_nothing(tmp_path):

@@ -4,7 +4,8 @@ A checkpoint is a directory, visible only once complete (:mod:`.publish`):
 
 - ``.metadata`` and ``__<r>_<i>.distcp`` (DCP): ``state_dict.<name>`` for every entry of the
   module's state dict, ``optimizer_<i>.state.<param name>.<key>`` for optimizer state, each 3-D
-  tensor as a DTensor view of its ShardSpec (:mod:`.views`). Any grid reads any part back.
+  tensor as a DTensor view of its ShardSpec (:mod:`.views`). Any grid reads any part back. A
+  module's extra state is kept as a tensor or as its JSON text (:mod:`.extra_state`).
 - ``layout.json``, the sharding record: the grid it was written on, the model's true shapes and layouts and its dense root
   (:mod:`.saved_model`).
 - ``rng/<rank>.json``: each rank's RNG states (:mod:`.rng`).
@@ -13,7 +14,8 @@ A checkpoint is a directory, visible only once complete (:mod:`.publish`):
 - ``manifest.json``, written last: size and SHA-256 of every other file (:mod:`.manifest`).
 
 Loading checks the manifest, reads no pickle that could run code, and refuses a checkpoint of
-another model (:class:`CheckpointError`, naming the file or both shapes).
+another model (:class:`CheckpointError`, naming the file or both shapes); a failure inside DCP is
+a :class:`CheckpointError` too, naming each rank's cause.
 
 Command line: ``python -m lightning_3d.checkpoint to-dense CKPT OUT.safetensors [--prefix model.]``.
 """

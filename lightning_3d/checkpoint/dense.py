@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import TensorStorageMetadata
 
 from ..dense_twin import global_to_dense
 from .files import MODEL_KEY, RECORD_FILE, CheckpointError
 from .store import verified_metadata
-from .untrusted import SafePlanner, SafeReader, load_weights_only
+from .untrusted import load_dcp, load_weights_only
 
 DENSE_FORMAT = "lightning_3d.dense/1"
 INFO_KEY = "lightning_3d"
@@ -71,7 +70,7 @@ def to_dense(path: str | Path, prefix: str | None = None) -> dict[str, torch.Ten
         raise CheckpointError(f"{path} holds no model tensors under the prefix {prefix!r}")
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({MODEL_KEY: full}, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
+        load_dcp({MODEL_KEY: full}, path, no_dist=True)
     return {k[len(prefix):]: global_to_dense(t, shapes.get(k), k in transposed, orders.get(k)) for k, t in full.items()}
 
 

@@ -18,12 +18,12 @@ from torch.distributed.tensor import DTensor
 from ..dense_twin import dense_row_orders, dense_shapes, dense_transposed
 from ..grid import Grid
 from ..sharding import get_spec
-from . import manifest
+from . import extra_state, manifest
 from .files import DCP_METADATA, FORMAT, META_FILE, MODEL_KEY, RECORD_FILE, RNG_DIR, CheckpointError, optimizer_key, rng_file
 from .publish import publish, remove, staging_path
 from .rng import rng_state
 from .saved_model import check_fits, dense_root
-from .untrusted import SafePlanner, SafeReader, load_weights_only, read_dcp_metadata
+from .untrusted import SafeReader, load_dcp, load_weights_only, read_dcp_metadata
 from .views import global_shapes, model_state, sharded_view
 
 
@@ -182,7 +182,7 @@ def load_model_(module: nn.Module, grid: Grid, path: str | Path, strict: bool = 
     model's true shapes against the module's; :class:`CheckpointError` names what differs.
     ``strict=False`` loads the tensors both have (shapes must still agree). Keys are matched
     through :func:`saved_key` (a model saved inside a LightningModule loads into the bare model,
-    and the reverse).
+    and the reverse). Submodules with extra state get theirs through ``set_extra_state``.
     """
     path = Path(path)
     metadata = verified_metadata(path, collective=True)
@@ -192,7 +192,8 @@ def load_model_(module: nn.Module, grid: Grid, path: str | Path, strict: bool = 
                {key(k): v for k, v in global_shapes(module).items()}, {key(k): v for k, v in dense_shapes(module).items()}, strict)
     state = {key(k): v for k, v in model_state(module, grid).items()
              if strict or f"{MODEL_KEY}.{key(k)}" in metadata.state_dict_metadata}
-    dcp.load({MODEL_KEY: state}, storage_reader=SafeReader(path), planner=SafePlanner(allow_partial_load=not strict))
+    load_dcp({MODEL_KEY: state}, path, allow_partial_load=not strict)
+    extra_state.restore_(module, state, key)
 
 
 def _placeholder(md, param: torch.Tensor, grid: Grid):
@@ -242,7 +243,7 @@ def load_optimizer_(
         name, _, k = fqn[len(prefix):].rpartition(".")
         if name in by_name and holds_state(by_name[name]):
             wanted.setdefault(name, {})[k] = _placeholder(md, by_name[name], grid)
-    dcp.load({key: {"state": wanted}}, storage_reader=reader, planner=SafePlanner())
+    load_dcp({key: {"state": wanted}}, path, reader=reader)
     for name, values in wanted.items():
         optimizer.state[by_name[name]] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
     for saved, group in zip(param_groups, optimizer.param_groups):

@@ -10,6 +10,8 @@ names. Every pickle a checkpoint holds is read here with an allowlist of harmles
   caller allows (``allowed``: a model's config class among a LightningModule's hyper-parameters).
 
 A name outside the allowlist raises :class:`~.files.CheckpointError` naming the file and the name.
+Every DCP load goes through :func:`load_dcp`, which turns DCP's ``CheckpointException`` (a
+``BaseException``) into one :class:`~.files.CheckpointError` saying what failed on which rank.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, Metadata
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, Metadata
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
+from ..agreement import describe_ranks
 from .files import DCP_METADATA, CheckpointError
 
 _METADATA_OBJECTS = (
@@ -98,9 +102,45 @@ class SafePlanner(DefaultLoadPlanner):
             with torch.serialization.safe_globals(meta_globals()):
                 torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:
-            raise CheckpointError(f"refusing to read the entry {read_item.dest_index.fqn!r} of the checkpoint: "
-                                  f"{_first_line(e)}; nothing in it was executed") from None
+            info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata is not None else None
+            raise CheckpointError(
+                f"refusing to read the entry {read_item.dest_index.fqn!r} in {getattr(info, 'relative_path', 'its shard')}: "
+                f"{_first_line(e)}; nothing in it was executed. The file is damaged or was crafted to run code; a checkpoint "
+                f"you trust whose state holds objects of your own classes loads once they are allowed with "
+                f"torch.serialization.add_safe_globals([cls])") from None
         super().load_bytes(read_item, io.BytesIO(data))  # the same bytes: only the globals just allowed
+
+
+def load_dcp(state: dict, path: str | Path, reader: SafeReader | None = None, allow_partial_load: bool = False,
+             no_dist: bool = False) -> None:
+    """``dcp.load`` of ``state`` from checkpoint ``path`` through :class:`SafeReader` and :class:`SafePlanner`.
+
+    A failure on any rank raises the same :class:`CheckpointError` on every rank, naming each
+    rank's cause (ranks with the same cause together), in place of DCP's ``CheckpointException``;
+    that one is let through as it is when a cause is no ``Exception`` (Ctrl-C, ``SystemExit``).
+    """
+    try:
+        dcp.load(state, storage_reader=reader or SafeReader(path), planner=SafePlanner(allow_partial_load=allow_partial_load),
+                 no_dist=no_dist)
+    except CheckpointException as e:
+        if not all(isinstance(_cause(f), Exception) for f in e.failures.values()):
+            raise
+        raise CheckpointError(f"cannot load {path}: {_causes(e)}") from None
+
+
+def _cause(failure: Any) -> BaseException:
+    """The exception of one of DCP's per-rank failures (``(exception, traceback summary)``)."""
+    return failure[0] if isinstance(failure, tuple) else failure
+
+
+def _causes(e: CheckpointException) -> str:
+    """``"ranks 0-3: <cause>; rank 5: <other cause>"`` from DCP's per-rank failures."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, failure in sorted(e.failures.items()):
+        cause = _cause(failure)
+        text = str(cause) if isinstance(cause, CheckpointError) else f"{type(cause).__name__}: {_first_line(cause)}"
+        ranks_of.setdefault(text, []).append(rank)
+    return "; ".join(f"{describe_ranks(ranks)}: {text}" for text, ranks in ranks_of.items())
 
 
 def load_weights_only(file: str | Path, trusted: bool = False, allowed: Sequence[type] = ()) -> Any:

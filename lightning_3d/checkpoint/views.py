@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..grid import MESH_AXES, Grid
 from ..sharding import ShardSpec, get_spec
+from . import extra_state
 
 _meshes: weakref.WeakKeyDictionary[Grid, dict[tuple[str, ...], DeviceMesh]] = weakref.WeakKeyDictionary()
 
@@ -50,9 +51,12 @@ def _view(t: torch.Tensor, grid: Grid) -> torch.Tensor:
     return t.detach() if spec is None else sharded_view(t, spec, grid)
 
 
-def model_state(module: nn.Module, grid: Grid) -> dict[str, torch.Tensor]:
-    """The module's state dict with every 3-D tensor as a DTensor view (no copies, no communication)."""
-    return {k: _view(v, grid) for k, v in module.state_dict(keep_vars=True).items()}
+def model_state(module: nn.Module, grid: Grid) -> dict[str, torch.Tensor | str]:
+    """The module's state dict with every 3-D tensor as a DTensor view (no copies, no communication);
+    extra state (``get_extra_state``) as :func:`.extra_state.encode` keeps it, or :class:`CheckpointError`."""
+    extra = extra_state.extra_state_modules(module)
+    return {k: extra_state.encode(k, v, extra[k]) if k in extra else _view(v, grid)
+            for k, v in module.state_dict(keep_vars=True).items()}
 
 
 def global_shapes(module: nn.Module) -> dict[str, list[int]]:
