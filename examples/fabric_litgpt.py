@@ -99,7 +99,7 @@ def export(fabric: Fabric, model: torch.nn.Module, config, folder: Path) -> None
     """LitGPT's checkpoint folder: ``lit_model.pth`` (its state dict) and ``model_config.yaml`` (collective)."""
     from litgpt.utils import save_config
 
-    state = lightning_3d.dense_state_dict(model.module)  # LitGPT's full state dict, on every cube rank
+    state = lightning_3d.dense_state_dict(model)  # LitGPT's full state dict, on every cube rank
     if fabric.global_rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         torch.save(state, folder / "lit_model.pth")

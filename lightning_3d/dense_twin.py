@@ -27,28 +27,41 @@ from torch import nn
 
 def dense_shapes(module: nn.Module) -> dict[str, list[int]]:
     """Dense shapes declared by submodules (``dense_shapes`` attribute), under the module's state-dict keys."""
-    out = {}
-    for prefix, sub in module.named_modules():
-        declared = getattr(sub, "dense_shapes", None)
-        if isinstance(declared, dict):
-            out.update({(f"{prefix}.{k}" if prefix else k): list(shape) for k, shape in declared.items()})
-    return out
+    declared = {_key(prefix, k): list(shape) for prefix, sub in module.named_modules()
+                if isinstance(getattr(sub, "dense_shapes", None), dict) for k, shape in sub.dense_shapes.items()}
+    return _under_state_dict_keys(module, declared)
 
 
 def dense_transposed(module: nn.Module) -> list[str]:
     """The state-dict keys whose dense tensor is the transpose of the (``dense_shapes``-shaped) global
     one, as submodules declare them (``dense_transposed`` attribute: a weight the dense twin stores
     ``[in, out]``), under the module's state-dict keys."""
-    return sorted(f"{prefix}.{k}" if prefix else k for prefix, sub in module.named_modules()
-                  for k in getattr(sub, "dense_transposed", ()))
+    declared = {_key(prefix, k): True for prefix, sub in module.named_modules() for k in getattr(sub, "dense_transposed", ())}
+    return sorted(_under_state_dict_keys(module, declared))
 
 
 def dense_row_orders(module: nn.Module) -> dict[str, list]:
     """``{key: [block, order]}``: the keys whose dense tensor holds the (``dense_shapes``-shaped) global
     one's rows in another order, as submodules declare them (``dense_row_order`` attribute, ``{name:
     (block, order)}``, see :func:`reorder_rows`), under the module's state-dict keys."""
-    return {f"{prefix}.{k}" if prefix else k: [block, list(order)] for prefix, sub in module.named_modules()
-            for k, (block, order) in getattr(sub, "dense_row_order", {}).items()}
+    declared = {_key(prefix, k): [block, list(order)] for prefix, sub in module.named_modules()
+                for k, (block, order) in getattr(sub, "dense_row_order", {}).items()}
+    return _under_state_dict_keys(module, declared)
+
+
+def _key(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _under_state_dict_keys(module: nn.Module, declared: dict[str, object]) -> dict[str, object]:
+    """``declared``, keyed by ``named_modules()`` names, under the keys of ``module.state_dict()``, matched by
+    tensor: the same names, unless a wrapper's state dict is its inner module's under other names (Lightning
+    Fabric's ``_FabricModule`` lists its model as ``_forward_module`` among its modules, not in its state dict)."""
+    if not declared:
+        return {}
+    named = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    by_tensor = {id(named[name]): value for name, value in declared.items() if name in named}
+    return {key: by_tensor[id(t)] for key, t in module.state_dict(keep_vars=True).items() if id(t) in by_tensor}
 
 
 def reorder_rows(t: torch.Tensor, row_order: tuple[int, list[int]], inverse: bool = False) -> torch.Tensor:

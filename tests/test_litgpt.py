@@ -9,8 +9,9 @@ configs built with ``litgpt.Config``, in float64:
   biases, full rotary, sequential residual, untied head;
 
 and a Phi-like config (parallel residual with a shared attention norm, tanh GELU, head bias, tied
-by hand) and a Qwen2.5-like one (the Llama-like with q/k/v biases) on 1×2×1 (dp 2). Loss, logits and every parameter's gradient are compared, and
-``dense_state_dict`` loads into LitGPT's model with ``strict=True``. The example
+by hand) and a Qwen2.5-like one (the Llama-like with q/k/v biases) on 1×2×1 (dp 2). Loss, logits
+and every parameter's gradient are compared, and ``dense_state_dict`` loads into LitGPT's model
+with ``strict=True``. The example
 (``examples/fabric_litgpt.py``) trains, resumes and exports in a world of 2; the benchmark
 (``benchmarks/litgpt_fabric.py``) runs its CPU smoke mode.
 

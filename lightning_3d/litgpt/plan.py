@@ -1,10 +1,11 @@
 """The built-in plan of LitGPT's ``litgpt.model.GPT``, registered by its qualified class name.
 
-Covered: the structure of Llama 2/3, TinyLlama, Mistral (without a sliding window), Pythia, Phi-1.5,
-Phi-2, Phi-3.5-mini and Phi-4 (the configs :func:`check_litgpt` passes): fused ``qkv`` with grouped queries, RoPE (partial rotary included), parallel residual
-(with or without a shared attention norm), LayerNorm / RMSNorm, GELU (``GptNeoxMLP``) and SwiGLU
-(``LLaMAMLP``) MLPs, biases, a tied or untied head over the padded vocabulary. The rest is refused
-by :func:`check_litgpt` naming the module or config field and the fix.
+Covered: the structure of Llama 2/3, TinyLlama, Mistral (without a sliding window), Pythia,
+Phi-1.5, Phi-2, Phi-3.5-mini and Phi-4 (the configs :func:`check_litgpt` passes): fused ``qkv``
+with grouped queries, RoPE (partial rotary included), parallel residual (with or without a shared
+attention norm), LayerNorm / RMSNorm, GELU (``GptNeoxMLP``) and SwiGLU (``LLaMAMLP``) MLPs,
+biases, a tied or untied head over the padded vocabulary. The rest is refused by
+:func:`check_litgpt` naming the module or config field and the fix.
 
 Every block reads and writes z-layout; ``qkv``, ``fc``, ``fc_1``, ``fc_2`` are z→y, ``attn.proj`` and
 ``mlp.proj`` y→z. Attention runs on y-layout rows, whole heads of y block ``j``
