@@ -14,12 +14,16 @@
 This is the only package of the project that imports DeepSpeed.
 """
 
-from .checkpoint import to_dense
-from .config import check_batch_size, init_grid_from_config, load_config
-from .engine import initialize, load_checkpoint, save_checkpoint
-from .grad_norm_tags import tag_grad_norm_params
-from .mpu import GridMPU
-from .strategy import register_on_import as _register_on_import
+from lightning_3d.versions import require
+
+require("deepspeed")  # an unsupported version is refused here, before this package uses it
+
+from .checkpoint import to_dense  # noqa: E402
+from .config import check_batch_size, init_grid_from_config, load_config  # noqa: E402
+from .engine import initialize, load_checkpoint, save_checkpoint  # noqa: E402
+from .grad_norm_tags import tag_grad_norm_params  # noqa: E402
+from .mpu import GridMPU  # noqa: E402
+from .strategy import register_on_import as _register_on_import  # noqa: E402
 
 _register_on_import()
 

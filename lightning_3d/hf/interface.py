@@ -66,21 +66,20 @@ def _check_same_batch(name: str, t: torch.Tensor | None, input_ids: torch.Tensor
 def attention_rows_mask(model: nn.Module, grid: Grid, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                         position_ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """The attention mask of this rank's y-layout rows, as the model would build it for them (None: plain causal)."""
-    from transformers.masking_utils import create_causal_mask
+    from .causal_mask import causal_mask
 
     b, s = input_ids.shape
     rows = row_block(grid, "xz", b)
     if attention_mask is not None and attention_mask.dim() == 4:
         return attention_mask[rows]
     per_sequence = _per_sequence(position_ids)
-    return create_causal_mask(
-        config=model.config,
-        inputs_embeds=torch.empty(rows.stop - rows.start, s, 0, dtype=dtype, device=input_ids.device),
-        attention_mask=None if attention_mask is None else attention_mask[rows],
-        cache=None,
-        position_ids=position_ids[rows] if per_sequence else position_ids,
+    return causal_mask(
+        model,
+        torch.empty(rows.stop - rows.start, s, 0, dtype=dtype, device=input_ids.device),
+        None if attention_mask is None else attention_mask[rows],
+        position_ids[rows] if per_sequence else position_ids,
         # with per-sequence positions the model must not build a mask of its own (its batch is z-layout)
-        allow_is_causal_skip=not per_sequence,
+        may_skip=not per_sequence,
     )
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from ..grid import Grid
 from ..parallel import (Dropout, Linear, LMHead, Norm, Plan, PositionEmbedding, VocabEmbedding, register_norm, register_plan,
                         runtime_of)
+from ..versions import require
 from .interface import attention_input_as_y_batch, causal_lm_loss_3d, lay_out_inputs, projection_input_as_z
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -52,6 +53,7 @@ def _refuse_unless(ok: bool, model: nn.Module, why: str, fix: str) -> None:
 
 
 def _check_common(model: nn.Module, grid: Grid, heads: int) -> None:
+    require("transformers")
     config = model.config
     impl = config._attn_implementation
     _refuse_unless(impl in ATTENTION_IMPLEMENTATIONS, model, f"attention implementation {impl!r} is not supported",

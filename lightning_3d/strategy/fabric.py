@@ -1,11 +1,15 @@
 """``Tensor3DFabricStrategy`` for ``lightning.fabric`` (``import lightning as L``); registered as ``"tensor3d"`` on import."""
 
-from lightning.fabric.plugins import precision as fp
-from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning.fabric.utilities.seed import pl_worker_init_function
+from ..versions import require
 
-from .fabric_base import Tensor3DFabricMixin
+require("lightning")  # an unsupported version is refused here, before this module uses it
+
+from lightning.fabric.plugins import precision as fp  # noqa: E402
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy  # noqa: E402
+from lightning.fabric.utilities.rank_zero import rank_zero_info  # noqa: E402
+from lightning.fabric.utilities.seed import pl_worker_init_function  # noqa: E402
+
+from .fabric_base import Tensor3DFabricMixin  # noqa: E402
 
 
 class Tensor3DFabricStrategy(Tensor3DFabricMixin, DDPStrategy):

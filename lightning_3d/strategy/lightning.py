@@ -1,16 +1,20 @@
 """``Tensor3DStrategy`` for ``lightning.pytorch`` (``import lightning as L``); registered as ``"tensor3d"`` on import."""
 
-from lightning.fabric.utilities.seed import pl_worker_init_function
-from lightning.pytorch import __version__
-from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
-from lightning.pytorch.plugins import precision as lp
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from ..versions import require
 
-from .base import Tensor3DMixin
-from .precision import AgreedOverflow, GlobalNormClipping
-from .summary import GlobalCounts, GlobalSummaryCallback
+require("lightning")  # an unsupported version is refused here, before this module uses it
+
+from lightning.fabric.utilities.seed import pl_worker_init_function  # noqa: E402
+from lightning.pytorch import __version__  # noqa: E402
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary  # noqa: E402
+from lightning.pytorch.plugins import precision as lp  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
+from lightning.pytorch.utilities.model_summary import ModelSummary as Summary  # noqa: E402
+from lightning.pytorch.utilities.rank_zero import rank_zero_info  # noqa: E402
+
+from .base import Tensor3DMixin  # noqa: E402
+from .precision import AgreedOverflow, GlobalNormClipping  # noqa: E402
+from .summary import GlobalCounts, GlobalSummaryCallback  # noqa: E402
 
 
 class GridPrecision(GlobalNormClipping, lp.Precision):

@@ -1,11 +1,15 @@
 """``Tensor3DFabricStrategy`` for ``lightning_fabric``; registered as ``"tensor3d"`` on import."""
 
-from lightning_fabric.plugins import precision as fp
-from lightning_fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning_fabric.utilities.rank_zero import rank_zero_info
-from lightning_fabric.utilities.seed import pl_worker_init_function
+from ..versions import require
 
-from .fabric_base import Tensor3DFabricMixin
+require("lightning-fabric")  # an unsupported version is refused here, before this module uses it
+
+from lightning_fabric.plugins import precision as fp  # noqa: E402
+from lightning_fabric.strategies import STRATEGY_REGISTRY, DDPStrategy  # noqa: E402
+from lightning_fabric.utilities.rank_zero import rank_zero_info  # noqa: E402
+from lightning_fabric.utilities.seed import pl_worker_init_function  # noqa: E402
+
+from .fabric_base import Tensor3DFabricMixin  # noqa: E402
 
 
 class Tensor3DFabricStrategy(Tensor3DFabricMixin, DDPStrategy):

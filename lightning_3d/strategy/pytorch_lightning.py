@@ -1,16 +1,20 @@
 """``Tensor3DStrategy`` for ``pytorch_lightning``; registered as ``"tensor3d"`` on import."""
 
-from lightning_fabric.utilities.seed import pl_worker_init_function
-from pytorch_lightning import __version__
-from pytorch_lightning.callbacks import ModelSummary, RichModelSummary
-from pytorch_lightning.plugins import precision as lp
-from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
-from pytorch_lightning.utilities.model_summary import ModelSummary as Summary
-from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from ..versions import require
 
-from .base import Tensor3DMixin
-from .precision import AgreedOverflow, GlobalNormClipping
-from .summary import GlobalCounts, GlobalSummaryCallback
+require("pytorch-lightning")  # an unsupported version is refused here, before this module uses it
+
+from lightning_fabric.utilities.seed import pl_worker_init_function  # noqa: E402
+from pytorch_lightning import __version__  # noqa: E402
+from pytorch_lightning.callbacks import ModelSummary, RichModelSummary  # noqa: E402
+from pytorch_lightning.plugins import precision as lp  # noqa: E402
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # noqa: E402
+from pytorch_lightning.utilities.model_summary import ModelSummary as Summary  # noqa: E402
+from pytorch_lightning.utilities.rank_zero import rank_zero_info  # noqa: E402
+
+from .base import Tensor3DMixin  # noqa: E402
+from .precision import AgreedOverflow, GlobalNormClipping  # noqa: E402
+from .summary import GlobalCounts, GlobalSummaryCallback  # noqa: E402
 
 
 class GridPrecision(GlobalNormClipping, lp.Precision):
