@@ -36,7 +36,11 @@ def _ring(kind: str, nbytes: int, g: int) -> float:
 
 def _group_size(group) -> int:
     """The ranks of a group given by name (functional collectives) or as the op's boxed ``ProcessGroup``."""
-    return _resolve_process_group(group).size() if isinstance(group, str) else dist.ProcessGroup.unbox(group).size()
+    return (
+        _resolve_process_group(group).size()
+        if isinstance(group, str)
+        else dist.ProcessGroup.unbox(group).size()
+    )
 
 
 # op → (kind, where the full tensor is: "out" the first argument (gathered), "in" the second, or "arg0"),
@@ -103,5 +107,8 @@ class SentBytes(TorchDispatchMode):
 
     def summary(self) -> dict:
         """JSON: the total, the calls, and the bytes by ``"kind/group size"``."""
-        return {"total": self.total, "calls": self.calls,
-                "by_kind": {f"{kind}/{g}": b for (kind, g), b in sorted(self.by_kind.items())}}
+        return {
+            "total": self.total,
+            "calls": self.calls,
+            "by_kind": {f"{kind}/{g}": b for (kind, g), b in sorted(self.by_kind.items())},
+        }

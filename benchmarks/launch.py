@@ -31,21 +31,38 @@ def rotated(cases: list[str], r: int) -> list[str]:
 
 
 def torchrun(nproc: int, cases: list[str], out: str, extra: list[str], timeout_s: float) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           os.path.join(HERE, "train_job.py"), "--cases", ";".join(cases), "--append", "--out", out, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        os.path.join(HERE, "train_job.py"),
+        "--cases",
+        ";".join(cases),
+        "--append",
+        "--out",
+        out,
+        *extra,
+    ]
     return subprocess.run(cmd, timeout=timeout_s).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nproc", type=int, required=True, help="processes (GPUs) per case")
     parser.add_argument("--cases", required=True, help="';'-separated cases of train_job.py")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--one-process", action="store_true", help="a repeat's cases in one process, not one each")
+    parser.add_argument(
+        "--one-process", action="store_true", help="a repeat's cases in one process, not one each"
+    )
     parser.add_argument("--timeout-s", type=float, default=900.0, help="the most one process may take")
     args = parser.parse_args(own)
     cases = [c.strip() for c in args.cases.split(";") if c.strip()]

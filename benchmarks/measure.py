@@ -12,7 +12,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from lightning_3d.cost import machine
 from lightning_3d.cost.machine import matmul_tflops  # noqa: F401 (the benchmarks' device rate)
@@ -96,8 +95,12 @@ def _is_comm(event: dict) -> bool:
 
 
 # Kernel kinds by name, first match wins; anything else is "other" (eager elementwise, reductions, copies).
-KERNEL_KINDS = (("communication", COMM_KERNELS), ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
-                ("attention", ("flash", "fmha", "attention")), ("compiled", ("triton",)))
+KERNEL_KINDS = (
+    ("communication", COMM_KERNELS),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("compiled", ("triton",)),
+)
 
 
 def kernel_kind(event: dict) -> str:
@@ -146,19 +149,31 @@ def kernel_timeline(trace_path: str) -> dict:
     moving_u, computing_u = _union(moving), _union(computing)
     busy = _union(moving + computing + other)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
-    exposed_by_collective = {name: round(_minus(_union(spans), computing_u) / 1e3, 3) for name, spans in by_collective.items()}
-    each_exposed = [[name, k, round(_minus([span], computing_u) / 1e3, 3), round((span[1] - span[0]) / 1e3, 3)]
-                    for name, spans in by_collective.items() for k, span in enumerate(sorted(spans))]
-    return {"exposed_comm_ms": _minus(moving_u, computing_u) / 1e3, "comm_ms": _length(moving_u) / 1e3,
-            "exposed_by_collective_ms": exposed_by_collective,
-            "most_exposed": sorted(each_exposed, key=lambda e: -e[2])[:MOST_EXPOSED],
-            "busy_ms": _length(busy) / 1e3, "idle_ms": (busy[-1][1] - busy[0][0] - _length(busy)) / 1e3 if busy else 0.0,
-            "longest_idle_ms": _longest_gaps(busy, kernels, 5), "kernels": len(moving) + len(computing) + len(other),
-            "by_kind_ms_count": {k: [round(ms, 3), n] for k, (ms, n) in sorted(by_kind.items())},
-            "top_kernels_ms": [[name, round(ms, 3), n] for name, (ms, n) in top]}
+    exposed_by_collective = {
+        name: round(_minus(_union(spans), computing_u) / 1e3, 3) for name, spans in by_collective.items()
+    }
+    each_exposed = [
+        [name, k, round(_minus([span], computing_u) / 1e3, 3), round((span[1] - span[0]) / 1e3, 3)]
+        for name, spans in by_collective.items()
+        for k, span in enumerate(sorted(spans))
+    ]
+    return {
+        "exposed_comm_ms": _minus(moving_u, computing_u) / 1e3,
+        "comm_ms": _length(moving_u) / 1e3,
+        "exposed_by_collective_ms": exposed_by_collective,
+        "most_exposed": sorted(each_exposed, key=lambda e: -e[2])[:MOST_EXPOSED],
+        "busy_ms": _length(busy) / 1e3,
+        "idle_ms": (busy[-1][1] - busy[0][0] - _length(busy)) / 1e3 if busy else 0.0,
+        "longest_idle_ms": _longest_gaps(busy, kernels, 5),
+        "kernels": len(moving) + len(computing) + len(other),
+        "by_kind_ms_count": {k: [round(ms, 3), n] for k, (ms, n) in sorted(by_kind.items())},
+        "top_kernels_ms": [[name, round(ms, 3), n] for name, (ms, n) in top],
+    }
 
 
-def _longest_gaps(busy: list[tuple[float, float]], kernels: list[tuple[float, float, str]], n: int) -> list[list]:
+def _longest_gaps(
+    busy: list[tuple[float, float]], kernels: list[tuple[float, float, str]], n: int
+) -> list[list]:
     """The ``n`` longest spans in which the GPU ran nothing: ``[ms, kernel that ended, kernel that started]``."""
     ends = {round(e, 3): name for _, e, name in kernels}
     starts = {round(s, 3): name for s, _, name in kernels}
@@ -172,8 +187,14 @@ COLLECTIVES = ("AllGather", "ReduceScatter", "AllReduce", "SendRecv", "Broadcast
 def _collective(name: str) -> str:
     """A communication kernel's collective: an NCCL kernel's op and dtype as named (``AllGather``,
     ``ReduceScatter_Sum_bf16``, ...), ``copy or barrier`` for the rest."""
-    return next((name[name.index(c):].split("(")[0].split("_RING")[0].split("_TREE")[0] for c in COLLECTIVES if c in name),
-                "copy or barrier")
+    return next(
+        (
+            name[name.index(c) :].split("(")[0].split("_RING")[0].split("_TREE")[0]
+            for c in COLLECTIVES
+            if c in name
+        ),
+        "copy or barrier",
+    )
 
 
 def nccl_kernels(trace_path: str) -> dict[str, list[tuple[float, float]]]:
@@ -211,7 +232,11 @@ def peer_waits(per_rank: list[dict[str, list[tuple[float, float]]]]) -> dict:
                 waited[r] += max(0.0, min(last, end) - start)
                 moving[r] += max(0.0, end - last)
             matched += 1
-    return {"waited_ms": [round(w / 1e3, 3) for w in waited], "moving_ms": [round(m / 1e3, 3) for m in moving], "collectives": matched}
+    return {
+        "waited_ms": [round(w / 1e3, 3) for w in waited],
+        "moving_ms": [round(m / 1e3, 3) for m in moving],
+        "collectives": matched,
+    }
 
 
 def host_profile(step, steps: int, top: int = 30) -> list:
@@ -232,10 +257,19 @@ def host_profile(step, steps: int, top: int = 30) -> list:
     profiler.disable()
     if cuda:
         torch.cuda.synchronize()
-    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    stats = pstats.Stats(
+        profiler
+    ).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
     rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:top]
-    return [[f"{os.path.basename(file)}:{line}({name})" if line else name, round(calls / steps, 1),
-             round(own * 1e3 / steps, 3), round(cum * 1e3 / steps, 3)] for (file, line, name), (_, calls, own, cum, _) in rows]
+    return [
+        [
+            f"{os.path.basename(file)}:{line}({name})" if line else name,
+            round(calls / steps, 1),
+            round(own * 1e3 / steps, 3),
+            round(cum * 1e3 / steps, 3),
+        ]
+        for (file, line, name), (_, calls, own, cum, _) in rows
+    ]
 
 
 def profile_steps(step, steps: int, trace_path: str) -> dict:

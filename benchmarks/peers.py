@@ -36,10 +36,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.models import GPTConfig
 from lightning_3d.models.attention import apply_rope, causal_attention, rope_tables
@@ -52,7 +57,9 @@ class PeerAttention(nn.Module):
         super().__init__()
         h, kv = config.n_embd, config.n_kv_head * config.head_dim
         self.head_dim = config.head_dim
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(h, out, bias=config.bias, **factory) for out in (h, kv, kv, h))
+        self.wq, self.wk, self.wv, self.wo = (
+            nn.Linear(h, out, bias=config.bias, **factory) for out in (h, kv, kv, h)
+        )
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (self.wq(x), self.wk(x), self.wv(x)))
@@ -93,11 +100,15 @@ class PeerGPT(nn.Module):
     def __init__(self, config: GPTConfig, device=None):
         super().__init__()
         if config.tie_embeddings:
-            raise ValueError("PeerGPT has an untied output layer (as torchtitan's Transformer); build GPTConfig(tie_embeddings=False)")
+            raise ValueError(
+                "PeerGPT has an untied output layer (as torchtitan's Transformer); build GPTConfig(tie_embeddings=False)"
+            )
         self.config = config
         factory = {"device": "meta"}
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd, **factory)
-        self.pos_embeddings = nn.Embedding(config.block_size, config.n_embd, **factory) if config.style == "gpt2" else None
+        self.pos_embeddings = (
+            nn.Embedding(config.block_size, config.n_embd, **factory) if config.style == "gpt2" else None
+        )
         self.layers = nn.ModuleList(PeerBlock(config, **factory) for _ in range(config.n_layer))
         self.norm = norm(config, **factory)
         self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False, **factory)
@@ -153,17 +164,32 @@ def apply_tp(model: PeerGPT, tp_mesh, sequence_parallel: bool) -> None:
     """torchtitan's ``apply_tp`` (``sequence_parallel=True``), or plain Megatron TP without it."""
     if sequence_parallel:
         embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-        top = {"tok_embeddings": embed, "norm": SequenceParallel(),
-               "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+        top = {
+            "tok_embeddings": embed,
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+            ),
+        }
         if model.pos_embeddings is not None:
             top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-        block = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-                 "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                 "attention.wo": RowwiseParallel(output_layouts=Shard(1)), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+        block = {
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            ),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        }
     else:
-        top = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-               "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        top = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
         if model.pos_embeddings is not None:
             top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate())
         block = {"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
@@ -209,14 +235,20 @@ def apply_compile(model: PeerGPT) -> None:
         model.layers[i] = torch.compile(layer, fullgraph=True)
 
 
-def apply_fsdp(model: PeerGPT, dp_mesh, reduce_dtype: torch.dtype = torch.float32, reshard: bool = True) -> None:
+def apply_fsdp(
+    model: PeerGPT, dp_mesh, reduce_dtype: torch.dtype = torch.float32, reshard: bool = True
+) -> None:
     """torchtitan's ``apply_fsdp``: the embeddings, each block and ``[norm, output]`` units of their own,
     then the root; bf16 compute, ``reduce_dtype`` reductions (torchtitan's default float32; its
     ``mixed_precision_reduce`` setting picks bf16). ``reshard``: its default policy (the embedding
     and the blocks freed after forward, ``[norm, output]`` kept); ``False``: its ``"never"``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if dp_mesh.device_type == "cuda" else None
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        if dp_mesh.device_type == "cuda"
+        else None
+    )
     kwargs = {"mesh": dp_mesh} | ({"mp_policy": policy} if policy is not None else {})
     embeddings = [m for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
     fully_shard(embeddings, reshard_after_forward=reshard, **kwargs)
@@ -239,7 +271,10 @@ def compiled_cross_entropy():
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """torchtitan's clipping: the total norm of every gradient (DTensor or not), then one scale."""
     params = [p for p in params if p.grad is not None]
-    groups = [[p for p in params if isinstance(p.grad, DTensor)], [p for p in params if not isinstance(p.grad, DTensor)]]
+    groups = [
+        [p for p in params if isinstance(p.grad, DTensor)],
+        [p for p in params if not isinstance(p.grad, DTensor)],
+    ]
     squares = []
     for group in filter(None, groups):
         total = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)

@@ -61,10 +61,17 @@ def table(path: str) -> str:
     peers = [c for c in ran if _is_peer(c["case"])]
     best_peer = min(peers, key=lambda c: c["step_ms"]) if peers else None
     best_3d = min((c for c in ran if not _is_peer(c["case"])), key=lambda c: c["step_ms"], default=None)
-    head = (f"{meta['model']} ({meta['params'] / 1e9:.2f}B parameters), {meta['world']} GPU(s), {meta['links']}: "
-            f"{meta['device']}, torch {meta['torch']}, {meta['date']}, {meta['commit']}; batch {meta['batch']}×{meta['seq']}, "
-            f"matmul {meta['matmul_tflops']:.0f} TFLOP/s; median of {meta['steps']} steps after {meta['warmup']}")
-    lines = [head, "", "| case | step ms | tokens/s | MFU | peak GiB | losses, steps 1–3 | vs best peer |", "|---|---|---|---|---|---|---|"]
+    head = (
+        f"{meta['model']} ({meta['params'] / 1e9:.2f}B parameters), {meta['world']} GPU(s), {meta['links']}: "
+        f"{meta['device']}, torch {meta['torch']}, {meta['date']}, {meta['commit']}; batch {meta['batch']}×{meta['seq']}, "
+        f"matmul {meta['matmul_tflops']:.0f} TFLOP/s; median of {meta['steps']} steps after {meta['warmup']}"
+    )
+    lines = [
+        head,
+        "",
+        "| case | step ms | tokens/s | MFU | peak GiB | losses, steps 1–3 | vs best peer |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in cases:
         if "step_ms" not in c:
             lines.append(f"| {c['case']} | {c.get('error', '')[:90]} | | | | | |")
@@ -73,7 +80,9 @@ def table(path: str) -> str:
         ratio = f"{best_peer['step_ms'] / c['step_ms']:.2f}×" if best_peer else "–"
         bold = "**" if c is best_peer or c is best_3d else ""
         losses = " ".join(f"{v:.4f}" for v in c["losses"])
-        lines.append(f"| {bold}{name}{bold} | {c['step_ms']:.1f} | {c['tokens_per_s']:,.0f} | {c['mfu']:.1%} | {c['peak_GiB']:.2f} | {losses} | {ratio} |")
+        lines.append(
+            f"| {bold}{name}{bold} | {c['step_ms']:.1f} | {c['tokens_per_s']:,.0f} | {c['mfu']:.1%} | {c['peak_GiB']:.2f} | {losses} | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -87,18 +96,26 @@ def repeats(paths: list[str]) -> str:
                 if "step_ms" in c:
                     runs.setdefault(c["case"], []).append(c)
     median = {case: statistics.median(c["step_ms"] for c in cs) for case, cs in runs.items()}
-    lines = ["| case | runs | median step ms | least | most | tokens/s | MFU | peak GiB (least–most) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | runs | median step ms | least | most | tokens/s | MFU | peak GiB (least–most) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for case, cs in runs.items():
         ms, peaks = [c["step_ms"] for c in cs], [c["peak_GiB"] for c in cs]
         tokens = statistics.median(c.get("tokens_per_s", 0.0) for c in cs)
         mfu = statistics.median(c.get("mfu", 0.0) for c in cs)
-        lines.append(f"| {case} | {len(ms)} | {median[case]:.1f} | {min(ms):.1f} | {max(ms):.1f} | {tokens:,.0f} | {mfu:.1%} "
-                     f"| {statistics.median(peaks):.2f} ({min(peaks):.2f}–{max(peaks):.2f}) |")
+        lines.append(
+            f"| {case} | {len(ms)} | {median[case]:.1f} | {min(ms):.1f} | {max(ms):.1f} | {tokens:,.0f} | {mfu:.1%} "
+            f"| {statistics.median(peaks):.2f} ({min(peaks):.2f}–{max(peaks):.2f}) |"
+        )
     ours = [case for case in runs if not _is_peer(case)]
     peers = [case for case in runs if _is_peer(case)]
     if ours and peers:
         best, peer = min(ours, key=median.get), min(peers, key=median.get)
-        lines += ["", f"best 3-D {best} against best peer {peer}, medians: {median[peer] / median[best]:.2f}×"]
+        lines += [
+            "",
+            f"best 3-D {best} against best peer {peer}, medians: {median[peer] / median[best]:.2f}×",
+        ]
     return "\n".join(lines)
 
 
@@ -119,11 +136,17 @@ def largest(paths: list[str]) -> str:
                 points.setdefault(c["case"], []).append((layers, c["peak_GiB"]))
             else:
                 failed.setdefault(c["case"], []).append(layers)
-    lines = [f"GPU memory {capacity:.1f} GiB, {USABLE:.0%} usable", "",
-             "| case | measured (layers: peak GiB) | GiB a layer | most layers |", "|---|---|---|---|"]
+    lines = [
+        f"GPU memory {capacity:.1f} GiB, {USABLE:.0%} usable",
+        "",
+        "| case | measured (layers: peak GiB) | GiB a layer | most layers |",
+        "|---|---|---|---|",
+    ]
     for case, pts in sorted(points.items()):
         pts = sorted(pts)
-        measured = ", ".join(f"{n}: {g:.2f}" for n, g in pts) + "".join(f", {n}: failed" for n in failed.get(case, []))
+        measured = ", ".join(f"{n}: {g:.2f}" for n, g in pts) + "".join(
+            f", {n}: failed" for n in failed.get(case, [])
+        )
         if len(pts) < 2:
             lines.append(f"| {case} | {measured} | – | – |")
             continue
@@ -132,7 +155,9 @@ def largest(paths: list[str]) -> str:
         most = int((USABLE * capacity - (g0 - per_layer * n0)) // per_layer)
         lines.append(f"| {case} | {measured} | {per_layer:.2f} | {most} |")
     for case in sorted(set(failed) - set(points)):
-        lines.append(f"| {case} | {', '.join(f'{n}: failed' for n in failed[case])} | – | fewer than {min(failed[case])} |")
+        lines.append(
+            f"| {case} | {', '.join(f'{n}: failed' for n in failed[case])} | – | fewer than {min(failed[case])} |"
+        )
     return "\n".join(lines)
 
 
@@ -146,7 +171,9 @@ def shape_of(meta: dict) -> cost.ModelShape:
     return cost.ModelShape.of(GPTConfig(**meta["config"]), meta["batch"], meta["seq"])
 
 
-def machine_of(meta: dict, p2p_off_busbw: float | None, measured: dict[str, dict] | None = None) -> cost.Machine | None:
+def machine_of(
+    meta: dict, p2p_off_busbw: float | None, measured: dict[str, dict] | None = None
+) -> cost.Machine | None:
     """The file's measured machine, or the one ``measured`` holds for its links; else the default with
     its matmul rate (None: P2P off, nothing measured or assumed)."""
     rates = meta.get("machine") or (measured or {}).get(meta.get("links", "nvlink"))
@@ -161,7 +188,9 @@ def machine_of(meta: dict, p2p_off_busbw: float | None, measured: dict[str, dict
     return replace(m, intra={op: {g: slow for g in table} for op, table in m.intra.items()})
 
 
-def planner_points(paths: list[str], p2p_off_busbw: float | None = None, measured: dict[str, dict] | None = None) -> tuple[list[dict], list[str]]:
+def planner_points(
+    paths: list[str], p2p_off_busbw: float | None = None, measured: dict[str, dict] | None = None
+) -> tuple[list[dict], list[str]]:
     """Per measured ``3d`` case: measured and predicted step ms and peak GiB, errors; and the files skipped.
     ``measured``: links (``nvlink``, ``p2p-off``) → ``Machine.rates()`` for files that record no machine."""
     out, skipped = [], []
@@ -178,14 +207,35 @@ def planner_points(paths: list[str], p2p_off_busbw: float | None = None, measure
             method = case.get("method")
             if not method or method["kind"] != "3d" or "step_ms" not in case or method.get("checkpointing"):
                 continue
-            p = cost.predict_job(shape, tuple(method["grid"]), method["dp"], machine, async_tp=method["async_tp"],
-                                 compiled=method.get("compile", False), save_gathered=method.get("save_gathered", True),
-                                 half_grads=method.get("half_grads", False), grads_at_end=method.get("grads_at_end", False))
-            out.append({"file": path, "links": meta.get("links", ""), "model": meta["model"], "world": meta["world"],
-                        "variant": " ".join(w for w in case["case"].split()[1:] if "x" not in w and not w.startswith("dp")),
-                        "case": case["case"], "step_ms": case["step_ms"], "pred_ms": p.step_ms, "step_err": p.step_ms / case["step_ms"] - 1,
-                        "peak_GiB": case["peak_GiB"], "pred_GiB": p.memory_GiB,
-                        "mem_err": p.memory_GiB / case["peak_GiB"] - 1 if case["peak_GiB"] else None})  # no peak on CPU
+            p = cost.predict_job(
+                shape,
+                tuple(method["grid"]),
+                method["dp"],
+                machine,
+                async_tp=method["async_tp"],
+                compiled=method.get("compile", False),
+                save_gathered=method.get("save_gathered", True),
+                half_grads=method.get("half_grads", False),
+                grads_at_end=method.get("grads_at_end", False),
+            )
+            out.append(
+                {
+                    "file": path,
+                    "links": meta.get("links", ""),
+                    "model": meta["model"],
+                    "world": meta["world"],
+                    "variant": " ".join(
+                        w for w in case["case"].split()[1:] if "x" not in w and not w.startswith("dp")
+                    ),
+                    "case": case["case"],
+                    "step_ms": case["step_ms"],
+                    "pred_ms": p.step_ms,
+                    "step_err": p.step_ms / case["step_ms"] - 1,
+                    "peak_GiB": case["peak_GiB"],
+                    "pred_GiB": p.memory_GiB,
+                    "mem_err": p.memory_GiB / case["peak_GiB"] - 1 if case["peak_GiB"] else None,
+                }
+            )  # no peak on CPU
     return out, skipped
 
 
@@ -200,46 +250,81 @@ def choices(points: list[dict]) -> list[dict]:
     for r in points:
         if r["variant"].split()[:1] != ["auto"]:  # "3d auto" repeats a measured grid
             cases = groups.setdefault((r["file"], r["variant"]), {})
-            if r["case"] not in cases or r["step_ms"] < cases[r["case"]]["step_ms"]:  # a case measured twice: its warm run
+            if (
+                r["case"] not in cases or r["step_ms"] < cases[r["case"]]["step_ms"]
+            ):  # a case measured twice: its warm run
                 cases[r["case"]] = r
     out = []
     for (path, variant), by_case in groups.items():
         measured = list(by_case.values())
         if len(measured) > 1:
             pick, best = min(measured, key=lambda r: r["pred_ms"]), min(measured, key=lambda r: r["step_ms"])
-            out.append({"file": path, "variant": variant, "pick": pick["case"], "pick_ms": pick["step_ms"], "best": best["case"],
-                        "best_ms": best["step_ms"], "loss": pick["step_ms"] / best["step_ms"] - 1})
+            out.append(
+                {
+                    "file": path,
+                    "variant": variant,
+                    "pick": pick["case"],
+                    "pick_ms": pick["step_ms"],
+                    "best": best["case"],
+                    "best_ms": best["step_ms"],
+                    "loss": pick["step_ms"] / best["step_ms"] - 1,
+                }
+            )
     return out
 
 
-def planner(paths: list[str], p2p_off_busbw: float | None = None, measured: dict[str, dict] | None = None) -> tuple[str, float]:
+def planner(
+    paths: list[str], p2p_off_busbw: float | None = None, measured: dict[str, dict] | None = None
+) -> tuple[str, float]:
     """The planner check's tables (every point, the picks) and the worst step-time error."""
     points, skipped = planner_points(paths, p2p_off_busbw, measured)
     if not points:
         raise SystemExit(f"no measured 3d case in {len(paths)} file(s)")
-    lines = ["| file | GPUs | links | model | case | step ms | predicted | error | peak GiB | predicted | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {short(r['file'])} | {r['world']} | {r['links']} | {r['model']} | {r['case']} | {r['step_ms']:.1f} | {r['pred_ms']:.1f} "
-              f"| {100 * r['step_err']:+.1f}% | {r['peak_GiB']:.2f} | {r['pred_GiB']:.2f} | "
-              + ("–" if r["mem_err"] is None else f"{100 * r['mem_err']:+.1f}%") + " |" for r in points]
-    lines += [f"\nskipped {path}: P2P off and no measured machine (give --p2p-off-busbw to assume one)" for path in skipped]
-    lines += ["", "| file | variant | model's pick | measured ms | measured fastest | ms | pick's loss |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {short(c['file'])} | {c['variant'] or '(eager)'} | {c['pick']} | {c['pick_ms']:.1f} | {c['best']} | {c['best_ms']:.1f} "
-              f"| {100 * c['loss']:+.1f}% |" for c in choices(points)]
+    lines = [
+        "| file | GPUs | links | model | case | step ms | predicted | error | peak GiB | predicted | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {short(r['file'])} | {r['world']} | {r['links']} | {r['model']} | {r['case']} | {r['step_ms']:.1f} | {r['pred_ms']:.1f} "
+        f"| {100 * r['step_err']:+.1f}% | {r['peak_GiB']:.2f} | {r['pred_GiB']:.2f} | "
+        + ("–" if r["mem_err"] is None else f"{100 * r['mem_err']:+.1f}%")
+        + " |"
+        for r in points
+    ]
+    lines += [
+        f"\nskipped {path}: P2P off and no measured machine (give --p2p-off-busbw to assume one)"
+        for path in skipped
+    ]
+    lines += [
+        "",
+        "| file | variant | model's pick | measured ms | measured fastest | ms | pick's loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {short(c['file'])} | {c['variant'] or '(eager)'} | {c['pick']} | {c['pick_ms']:.1f} | {c['best']} | {c['best_ms']:.1f} "
+        f"| {100 * c['loss']:+.1f}% |"
+        for c in choices(points)
+    ]
     worst_t = max(points, key=lambda r: abs(r["step_err"]))
-    lines.append(f"\n{len(points)} points: worst step-time error {100 * worst_t['step_err']:+.1f}% ({worst_t['case']}, {worst_t['file']})")
+    lines.append(
+        f"\n{len(points)} points: worst step-time error {100 * worst_t['step_err']:+.1f}% ({worst_t['case']}, {worst_t['file']})"
+    )
     with_peaks = [r for r in points if r["mem_err"] is not None]
     if with_peaks:
         worst_m = max(with_peaks, key=lambda r: abs(r["mem_err"]))
-        lines[-1] += f", worst memory error {100 * worst_m['mem_err']:+.1f}% ({worst_m['case']}, {worst_m['file']})"
+        lines[-1] += (
+            f", worst memory error {100 * worst_m['mem_err']:+.1f}% ({worst_m['case']}, {worst_m['file']})"
+        )
     return "\n".join(lines), abs(worst_t["step_err"])
 
 
 # ------------------------------------------------------------------ bytes sent
 
 
-SAME_ALGORITHM = {"fsdp2 noreshard": "FSDP2 without resharding: each weight gathered once, its gradient scattered once, as P×1×1",
-                  "ddp": "DDP: the gradients all-reduced, as 1×1×1 with dp P"}
+SAME_ALGORITHM = {
+    "fsdp2 noreshard": "FSDP2 without resharding: each weight gathered once, its gradient scattered once, as P×1×1",
+    "ddp": "DDP: the gradients all-reduced, as 1×1×1 with dp P",
+}
 
 
 def predicted_bytes(case: dict, meta: dict) -> dict | None:
@@ -262,8 +347,10 @@ def sent_bytes(paths: list[str]) -> str:
     """Per case that counted its collectives (``--count-bytes``): the most any rank sent in a step, by
     collective, and the cost model's prediction (3-D cases; for FSDP2 without resharding and DDP, the
     3-D grid that runs their algorithm) with the ratio of counted to predicted."""
-    lines = ["| file | case | all-gather MB | reduce-scatter MB | all-reduce MB | other MB | total MB | predicted MB | counted / predicted |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| file | case | all-gather MB | reduce-scatter MB | all-reduce MB | other MB | total MB | predicted MB | counted / predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for path in paths:
         with open(path) as f:
             data = json.load(f)
@@ -277,8 +364,12 @@ def sent_bytes(paths: list[str]) -> str:
                 kinds[kind if kind in kinds else "other"] += nbytes
             predicted = predicted_bytes(c, data["meta"])
             total_p = sum(predicted.values()) if predicted else None
-            lines.append(f"| {short(path)} | {c['case']} | " + " | ".join(f"{v / 1e6:.3f}" for v in kinds.values())
-                         + f" | {worst['total'] / 1e6:.3f} | " + (f"{total_p / 1e6:.3f} | {worst['total'] / total_p:.3f} |" if total_p else "– | – |"))
+            lines.append(
+                f"| {short(path)} | {c['case']} | "
+                + " | ".join(f"{v / 1e6:.3f}" for v in kinds.values())
+                + f" | {worst['total'] / 1e6:.3f} | "
+                + (f"{total_p / 1e6:.3f} | {worst['total'] / total_p:.3f} |" if total_p else "– | – |")
+            )
     return "\n".join(lines)
 
 
@@ -295,35 +386,52 @@ def standings(paths: list[str]) -> str:
         for c in data["cases"]:
             if "tokens_per_s" in c:
                 key = (meta["model"], meta["world"], meta.get("links", "nvlink"))
-                groups.setdefault(key, {}).setdefault(c["case"], []).append((c, meta, os.path.basename(os.path.dirname(path))))
+                groups.setdefault(key, {}).setdefault(c["case"], []).append(
+                    (c, meta, os.path.basename(os.path.dirname(path)))
+                )
     out = []
     for (model, world, links), by_case in sorted(groups.items()):
-        tokens = {case: statistics.median(c["tokens_per_s"] for c, _, _ in runs) for case, runs in by_case.items()}
+        tokens = {
+            case: statistics.median(c["tokens_per_s"] for c, _, _ in runs) for case, runs in by_case.items()
+        }
         peers = [case for case in by_case if _is_peer(case)]
         best_peer = max(peers, key=tokens.get) if peers else None
-        out += [f"{model}, {world} GPU{'s' if world > 1 else ''}, {links}", "",
-                "| method | tokens/s | MFU | peak GiB | vs best peer | runs | card | date | commit |", "|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"{model}, {world} GPU{'s' if world > 1 else ''}, {links}",
+            "",
+            "| method | tokens/s | MFU | peak GiB | vs best peer | runs | card | date | commit |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for case in sorted(by_case, key=lambda k: -tokens[k]):
             runs = by_case[case]
             t = [c["tokens_per_s"] for c, _, _ in runs]
             peaks = [c["peak_GiB"] for c, _, _ in runs]
             spread = f" ({min(t):,.0f}–{max(t):,.0f})" if len(t) > 1 else ""
-            peak = f"{statistics.median(peaks):.2f}" + (f" ({min(peaks):.2f}–{max(peaks):.2f})" if len(set(peaks)) > 1 else "")
+            peak = f"{statistics.median(peaks):.2f}" + (
+                f" ({min(peaks):.2f}–{max(peaks):.2f})" if len(set(peaks)) > 1 else ""
+            )
             ratio = f"{tokens[case] / tokens[best_peer]:.3f}×" if best_peer else "–"
             metas = [m for _, m, _ in runs]
             name = case + (f" (= {runs[0][0]['picks']})" if "picks" in runs[0][0] else "")
-            out.append(f"| {name} | {tokens[case]:,.0f}{spread} | {statistics.median(c['mfu'] for c, _, _ in runs):.1%} | {peak} | {ratio} "
-                       f"| {', '.join(sorted({r for _, _, r in runs}))} | {metas[0]['device']} "
-                       f"| {', '.join(sorted({m['date'][:10] for m in metas}))} | {', '.join(sorted({m.get('commit') or '–' for m in metas}))} |")
+            out.append(
+                f"| {name} | {tokens[case]:,.0f}{spread} | {statistics.median(c['mfu'] for c, _, _ in runs):.1%} | {peak} | {ratio} "
+                f"| {', '.join(sorted({r for _, _, r in runs}))} | {metas[0]['device']} "
+                f"| {', '.join(sorted({m['date'][:10] for m in metas}))} | {', '.join(sorted({m.get('commit') or '–' for m in metas}))} |"
+            )
         out.append("")
     return "\n".join(out)
 
 
 # ------------------------------------------------------------------ the plot
 
-FAMILIES = (("3-D (best grid)", lambda w: w[0] == "3d"), ("FSDP2 no resharding", lambda w: w[0] == "fsdp2" and "noreshard" in w),
-            ("FSDP2", lambda w: w[0] == "fsdp2" and "noreshard" not in w), ("DDP", lambda w: w[0] == "ddp"),
-            ("TP + SP", lambda w: w[0] == "tp-sp"), ("FSDP2 × TP", lambda w: w[0] == "fsdp2-tp"))
+FAMILIES = (
+    ("3-D (best grid)", lambda w: w[0] == "3d"),
+    ("FSDP2 no resharding", lambda w: w[0] == "fsdp2" and "noreshard" in w),
+    ("FSDP2", lambda w: w[0] == "fsdp2" and "noreshard" not in w),
+    ("DDP", lambda w: w[0] == "ddp"),
+    ("TP + SP", lambda w: w[0] == "tp-sp"),
+    ("FSDP2 × TP", lambda w: w[0] == "fsdp2-tp"),
+)
 COLOURS = ("#d62728", "#1f77b4", "#6baed6", "#2ca02c", "#9467bd", "#8c564b")
 
 
@@ -357,15 +465,21 @@ def plot_svg(paths: list[str], title: str = "") -> str:
     panel_w, panel_h, top, left, bottom = 360, 220, 40, 50, 40
     width = left + len(data) * (panel_w + 20) + 10
     height = top + panel_h + bottom + 20 * ((len(families) + 2) // 3)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
-           f'<rect width="{width}" height="{height}" fill="white"/>',
-           f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">{title}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">{title}</text>',
+    ]
     for p, (model, by_world) in enumerate(sorted(data.items())):
         x0, y0 = left + p * (panel_w + 20), top
         peak = max(v for g in by_world.values() for v in g.values()) / 1e3
         scale = panel_h / (peak * 1.1)
-        out.append(f'<text x="{x0 + panel_w / 2}" y="{y0 - 6}" text-anchor="middle" font-size="12">{model}</text>')
-        out.append(f'<line x1="{x0}" y1="{y0 + panel_h}" x2="{x0 + panel_w}" y2="{y0 + panel_h}" stroke="black"/>')
+        out.append(
+            f'<text x="{x0 + panel_w / 2}" y="{y0 - 6}" text-anchor="middle" font-size="12">{model}</text>'
+        )
+        out.append(
+            f'<line x1="{x0}" y1="{y0 + panel_h}" x2="{x0 + panel_w}" y2="{y0 + panel_h}" stroke="black"/>'
+        )
         out.append(f'<line x1="{x0}" y1="{y0}" x2="{x0}" y2="{y0 + panel_h}" stroke="black"/>')
         for t in range(5):
             v = peak * 1.1 * t / 4
@@ -381,35 +495,70 @@ def plot_svg(paths: list[str], title: str = "") -> str:
                     continue
                 v = by_world[world][family] / 1e3
                 x = x0 + i * group_w + 8 + j * bar_w
-                out.append(f'<rect x="{x:.1f}" y="{y0 + panel_h - v * scale:.1f}" width="{bar_w - 1:.1f}" height="{v * scale:.1f}" '
-                           f'fill="{COLOURS[[n for n, _ in FAMILIES].index(family)]}"><title>{family}: {v:.1f}k tokens/s</title></rect>')
-            out.append(f'<text x="{x0 + (i + 0.5) * group_w:.1f}" y="{y0 + panel_h + 14}" text-anchor="middle">'
-                       f'{world} GPU{"s" if world > 1 else ""}{"" if present else " (none)"}</text>')
-        out.append(f'<text x="{x0 - 38}" y="{y0 + panel_h / 2}" transform="rotate(-90 {x0 - 38} {y0 + panel_h / 2})" '
-                   f'text-anchor="middle">thousand tokens/s</text>')
+                out.append(
+                    f'<rect x="{x:.1f}" y="{y0 + panel_h - v * scale:.1f}" width="{bar_w - 1:.1f}" height="{v * scale:.1f}" '
+                    f'fill="{COLOURS[[n for n, _ in FAMILIES].index(family)]}"><title>{family}: {v:.1f}k tokens/s</title></rect>'
+                )
+            out.append(
+                f'<text x="{x0 + (i + 0.5) * group_w:.1f}" y="{y0 + panel_h + 14}" text-anchor="middle">'
+                f"{world} GPU{'s' if world > 1 else ''}{'' if present else ' (none)'}</text>"
+            )
+        out.append(
+            f'<text x="{x0 - 38}" y="{y0 + panel_h / 2}" transform="rotate(-90 {x0 - 38} {y0 + panel_h / 2})" '
+            f'text-anchor="middle">thousand tokens/s</text>'
+        )
     for k, family in enumerate(families):
         x, y = left + (k % 3) * 200, top + panel_h + bottom + 20 * (k // 3)
-        out.append(f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{COLOURS[[n for n, _ in FAMILIES].index(family)]}"/>'
-                   f'<text x="{x + 14}" y="{y}">{family}</text>')
+        out.append(
+            f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{COLOURS[[n for n, _ in FAMILIES].index(family)]}"/>'
+            f'<text x="{x + 14}" y="{y}">{family}</text>'
+        )
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     what = parser.add_mutually_exclusive_group()
-    what.add_argument("--repeats", action="store_true", help="medians and ranges over the files (one job, several processes)")
-    what.add_argument("--largest", action="store_true", help="the most layers each case trains, from runs at several --layers")
+    what.add_argument(
+        "--repeats",
+        action="store_true",
+        help="medians and ranges over the files (one job, several processes)",
+    )
+    what.add_argument(
+        "--largest",
+        action="store_true",
+        help="the most layers each case trains, from runs at several --layers",
+    )
     what.add_argument("--planner", action="store_true", help="the cost model against every measured 3d case")
-    what.add_argument("--bytes", action="store_true", help="the bytes each case's ranks sent (runs with --count-bytes)")
-    what.add_argument("--standings", action="store_true", help="every method's medians against the best peer, per model, GPUs and links")
+    what.add_argument(
+        "--bytes", action="store_true", help="the bytes each case's ranks sent (runs with --count-bytes)"
+    )
+    what.add_argument(
+        "--standings",
+        action="store_true",
+        help="every method's medians against the best peer, per model, GPUs and links",
+    )
     what.add_argument("--plot", metavar="OUT.svg", help="tokens/s per method and GPU count, an SVG")
     parser.add_argument("--title", default="", help="the plot's title")
-    parser.add_argument("--tol", type=float, default=0.15, help="--planner: the step-time error past which it exits 1")
-    parser.add_argument("--p2p-off-busbw", type=float, default=None,
-                        help="--planner: GB/s assumed for every collective of P2P-off files without a measured machine")
-    parser.add_argument("--machine", action="append", default=[], metavar="LINKS=FILE",
-                        help="--planner: Machine.rates() JSON measured on the files' host, for files of these links that record none")
+    parser.add_argument(
+        "--tol", type=float, default=0.15, help="--planner: the step-time error past which it exits 1"
+    )
+    parser.add_argument(
+        "--p2p-off-busbw",
+        type=float,
+        default=None,
+        help="--planner: GB/s assumed for every collective of P2P-off files without a measured machine",
+    )
+    parser.add_argument(
+        "--machine",
+        action="append",
+        default=[],
+        metavar="LINKS=FILE",
+        help="--planner: Machine.rates() JSON measured on the files' host, for files of these links that record none",
+    )
     parser.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
     if args.repeats:

@@ -94,10 +94,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import comm_bytes  # noqa: E402
 import measure  # noqa: E402
 import peers  # noqa: E402
+
 import lightning_3d  # noqa: E402
+from lightning_3d.cost import Machine, ModelShape, measure_machine, sent_bytes  # noqa: E402
 from lightning_3d.grad_norm import clip_grad_norm_  # noqa: E402
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig  # noqa: E402
-from lightning_3d.cost import Machine, ModelShape, measure_machine, sent_bytes  # noqa: E402
 from lightning_3d.strategy import grid_rules  # noqa: E402
 
 DEFAULTS = lightning_3d.RuntimeOptions()
@@ -105,24 +106,86 @@ DEFAULTS = lightning_3d.RuntimeOptions()
 # name → (GPTConfig fields, global batch, sequence length)
 MODELS = {
     "gpt2-1.3b": (dict(style="gpt2", vocab_size=50304, n_embd=2048, n_head=16, n_layer=24), 8, 2048),
-    "llama-7b": (dict(style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_kv_head=8, n_layer=8, ffn_hidden=11008), 8, 2048),
-    "llama-7b-mha": (dict(style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_layer=8, ffn_hidden=11008), 8, 2048),
+    "llama-7b": (
+        dict(
+            style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_kv_head=8, n_layer=8, ffn_hidden=11008
+        ),
+        8,
+        2048,
+    ),
+    "llama-7b-mha": (
+        dict(style="llama", vocab_size=32000, n_embd=4096, n_head=32, n_layer=8, ffn_hidden=11008),
+        8,
+        2048,
+    ),
     # GPT-2 1.4B's 24 layers at a width whose GEMMs take the GPU almost no time: every step's pace is its host's
     "gpt2-narrow": (dict(style="gpt2", vocab_size=50304, n_embd=256, n_head=4, n_layer=24), 8, 2048),
     "tiny-gpt2": (dict(style="gpt2", vocab_size=128, n_embd=32, n_head=4, n_layer=2), 8, 16),
-    "tiny-llama": (dict(style="llama", vocab_size=128, n_embd=32, n_head=8, n_kv_head=4, n_layer=2, ffn_hidden=48), 8, 16),
+    "tiny-llama": (
+        dict(style="llama", vocab_size=128, n_embd=32, n_head=8, n_kv_head=4, n_layer=2, ffn_hidden=48),
+        8,
+        16,
+    ),
 }
 LR, WEIGHT_DECAY, CLIP = 3e-4, 0.1, 1.0
 LOSS_STEPS = 3
-RANK_TIMELINE = ("busy_ms", "idle_ms", "exposed_comm_ms", "exposed_by_collective_ms", "longest_idle_ms")  # of every rank's profile
+RANK_TIMELINE = (
+    "busy_ms",
+    "idle_ms",
+    "exposed_comm_ms",
+    "exposed_by_collective_ms",
+    "longest_idle_ms",
+)  # of every rank's profile
 
 DEFAULT_CASES = {
-    4: ["3d 1x4x1 async", "3d 4x1x1", "3d 2x2x1", "3d auto", "3d auto async", "tp-sp compile async", "tp-sp compile",
-        "fsdp2 compile", "fsdp2 compile noreshard", "tp-sp", "fsdp2", "fsdp2-tp 2x2 compile", "ddp", "tp", "3d 1x4x1", "3d 2x2x1 async",
-        "3d 1x1x1 dp4", "3d 1x2x1 dp2 async", "3d 1x2x1 dp2", "3d 2x1x1 dp2", "fsdp2-tp 2x2", "3d 1x2x2", "3d 2x1x2",
-        "3d 1x1x4", "3d 1x1x2 dp2", "3d 1x2x2 async", "3d 2x1x2 async", "3d 1x1x4 async"],
-    2: ["3d 2x1x1", "3d 1x2x1 async", "3d 1x2x1", "3d auto", "3d auto async", "tp-sp compile async", "tp-sp compile",
-        "fsdp2 compile", "fsdp2 compile noreshard", "tp-sp", "fsdp2", "ddp", "tp", "3d 1x1x1 dp2", "3d 1x1x2", "3d 1x1x2 async"],
+    4: [
+        "3d 1x4x1 async",
+        "3d 4x1x1",
+        "3d 2x2x1",
+        "3d auto",
+        "3d auto async",
+        "tp-sp compile async",
+        "tp-sp compile",
+        "fsdp2 compile",
+        "fsdp2 compile noreshard",
+        "tp-sp",
+        "fsdp2",
+        "fsdp2-tp 2x2 compile",
+        "ddp",
+        "tp",
+        "3d 1x4x1",
+        "3d 2x2x1 async",
+        "3d 1x1x1 dp4",
+        "3d 1x2x1 dp2 async",
+        "3d 1x2x1 dp2",
+        "3d 2x1x1 dp2",
+        "fsdp2-tp 2x2",
+        "3d 1x2x2",
+        "3d 2x1x2",
+        "3d 1x1x4",
+        "3d 1x1x2 dp2",
+        "3d 1x2x2 async",
+        "3d 2x1x2 async",
+        "3d 1x1x4 async",
+    ],
+    2: [
+        "3d 2x1x1",
+        "3d 1x2x1 async",
+        "3d 1x2x1",
+        "3d auto",
+        "3d auto async",
+        "tp-sp compile async",
+        "tp-sp compile",
+        "fsdp2 compile",
+        "fsdp2 compile noreshard",
+        "tp-sp",
+        "fsdp2",
+        "ddp",
+        "tp",
+        "3d 1x1x1 dp2",
+        "3d 1x1x2",
+        "3d 1x1x2 async",
+    ],
     1: ["3d 1x1x1", "ddp compile", "ddp"],
 }
 
@@ -144,7 +207,9 @@ class Method:
     grads_at_end: bool = DEFAULTS.grads_at_end  # 3d
     checkpointing: bool = False
     half_grads: bool = False  # the dp gradient reduction in bf16 (fp16 on CPU)
-    reshard: bool = True  # fsdp2, fsdp2-tp: free each block's gathered weights after forward (torchtitan's default)
+    reshard: bool = (
+        True  # fsdp2, fsdp2-tp: free each block's gathered weights after forward (torchtitan's default)
+    )
 
     @classmethod
     def parse(cls, text: str, world: int) -> Method:
@@ -152,10 +217,20 @@ class Method:
         words = text.split()
         kind, opts = words[0], words[1:]
         if kind not in ("3d", "tp", "tp-sp", "fsdp2", "fsdp2-tp", "ddp"):
-            raise ValueError(f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp")
-        fields = {"kind": kind, "async_tp": "async" in opts, "compile": "compile" in opts, "check_inputs": "nocheck" not in opts,
-                  "save_gathered": "regather" not in opts, "checkpointing": "ckpt" in opts,
-                  "half_grads": "bf16grad" in opts, "grads_at_end": "early" not in opts, "reshard": "noreshard" not in opts}
+            raise ValueError(
+                f"unknown case {text!r}: the first word must be 3d, tp, tp-sp, fsdp2, fsdp2-tp or ddp"
+            )
+        fields = {
+            "kind": kind,
+            "async_tp": "async" in opts,
+            "compile": "compile" in opts,
+            "check_inputs": "nocheck" not in opts,
+            "save_gathered": "regather" not in opts,
+            "checkpointing": "ckpt" in opts,
+            "half_grads": "bf16grad" in opts,
+            "grads_at_end": "early" not in opts,
+            "reshard": "noreshard" not in opts,
+        }
         for w in opts:
             if "x" in w:
                 dims = tuple(int(d) for d in w.split("x"))
@@ -171,11 +246,24 @@ class Method:
                 fields["gathered_together"] = int(w[8:])
             elif w == "noreshard" and kind not in ("fsdp2", "fsdp2-tp"):
                 raise ValueError(f"case {text!r}: noreshard is FSDP2's setting (cases fsdp2 and fsdp2-tp)")
-            elif w not in ("auto", "async", "compile", "nocheck", "regather", "late", "early", "ckpt", "bf16grad", "noreshard"):
+            elif w not in (
+                "auto",
+                "async",
+                "compile",
+                "nocheck",
+                "regather",
+                "late",
+                "early",
+                "ckpt",
+                "bf16grad",
+                "noreshard",
+            ):
                 raise ValueError(f"case {text!r}: unknown word {w!r}")
         method = cls(**fields)
         if kind == "3d" and method.grid is not None and method.dp * math.prod(method.grid) != world:
-            raise ValueError(f"case {text!r}: dp·px·py·pz = {method.dp * math.prod(method.grid)}, the world has {world} ranks")
+            raise ValueError(
+                f"case {text!r}: dp·px·py·pz = {method.dp * math.prod(method.grid)}, the world has {world} ranks"
+            )
         if kind == "fsdp2-tp" and method.dp * method.tp != world:
             raise ValueError(f"case {text!r}: dp·tp = {method.dp * method.tp}, the world has {world} ranks")
         return method
@@ -184,16 +272,41 @@ class Method:
     def label(self) -> str:
         common = (" ckpt" if self.checkpointing else "") + (" bf16grad" if self.half_grads else "")
         if self.kind == "3d":
-            where = "auto" if self.grid is None else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
-            return (f"3d {where}" + (" async" if self.async_tp else "") + (" compile" if self.compile else "")
-                    + ("" if self.check_inputs else " nocheck") + ("" if self.save_gathered else " regather")
-                    + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != DEFAULTS.prefetch_depth else "")
-                    + (f" together{self.gathered_together}" if self.gathered_together != DEFAULTS.gathered_together else "")
-                    + ("" if self.grads_at_end == DEFAULTS.grads_at_end else " late" if self.grads_at_end else " early")
-                    + common)
+            where = (
+                "auto"
+                if self.grid is None
+                else "x".join(map(str, self.grid)) + (f" dp{self.dp}" if self.dp > 1 else "")
+            )
+            return (
+                f"3d {where}"
+                + (" async" if self.async_tp else "")
+                + (" compile" if self.compile else "")
+                + ("" if self.check_inputs else " nocheck")
+                + ("" if self.save_gathered else " regather")
+                + (f" ahead{self.prefetch_depth}" if self.prefetch_depth != DEFAULTS.prefetch_depth else "")
+                + (
+                    f" together{self.gathered_together}"
+                    if self.gathered_together != DEFAULTS.gathered_together
+                    else ""
+                )
+                + (
+                    ""
+                    if self.grads_at_end == DEFAULTS.grads_at_end
+                    else " late"
+                    if self.grads_at_end
+                    else " early"
+                )
+                + common
+            )
         where = f" {self.dp}x{self.tp}" if self.kind == "fsdp2-tp" else ""
-        return (self.kind + where + (" compile" if self.compile else "") + (" async" if self.async_tp else "")
-                + ("" if self.reshard else " noreshard") + common)
+        return (
+            self.kind
+            + where
+            + (" compile" if self.compile else "")
+            + (" async" if self.async_tp else "")
+            + ("" if self.reshard else " noreshard")
+            + common
+        )
 
 
 @dataclasses.dataclass
@@ -212,7 +325,9 @@ class Run:
 
     def __init__(self, cpu: bool):
         self.cpu = cpu
-        self.device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        self.device = (
+            torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._grids: dict = {}
         self._meshes: dict = {}
@@ -251,7 +366,14 @@ def step_flops(config: GPTConfig, batch: int, seq: int) -> float:
 def fused_adamw(params, run: Run) -> torch.optim.Optimizer:
     """AdamW, fused on CUDA; DTensor and plain parameters in separate groups (a fused step takes one kind)."""
     params = list(params)
-    groups = [{"params": g} for g in ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]) if g]
+    groups = [
+        {"params": g}
+        for g in (
+            [p for p in params if isinstance(p, DTensor)],
+            [p for p in params if not isinstance(p, DTensor)],
+        )
+        if g
+    ]
     return torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY, fused=not run.cpu)
 
 
@@ -268,17 +390,25 @@ def half_precision_hook(run: Run):
 def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:
     """GPT3D through the strategy's steps: DDP over dp, global-norm clipping, bf16 autocast, AdamW."""
     grid = run.grid(method.grid, method.dp)
-    options = lightning_3d.RuntimeOptions(async_tp=method.async_tp, compile=method.compile, check_inputs=method.check_inputs,
-                                          save_gathered=method.save_gathered, activation_checkpointing=method.checkpointing,
-                                          grads_at_end=method.grads_at_end,
-                                          prefetch_depth=method.prefetch_depth, gathered_together=method.gathered_together)
+    options = lightning_3d.RuntimeOptions(
+        async_tp=method.async_tp,
+        compile=method.compile,
+        check_inputs=method.check_inputs,
+        save_gathered=method.save_gathered,
+        activation_checkpointing=method.checkpointing,
+        grads_at_end=method.grads_at_end,
+        prefetch_depth=method.prefetch_depth,
+        gathered_together=method.gathered_together,
+    )
     if method.compile:
         torch.compiler.reset()
     model = GPT3D(config, grid, device=run.device, options=options)
     model.load_dense_state_dict(dense)
     params = list(model.parameters())
     if method.dp > 1:
-        model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device], process_group=grid.group("dp"))
+        model = DistributedDataParallel(
+            model, device_ids=None if run.cpu else [run.device], process_group=grid.group("dp")
+        )
         if method.half_grads:
             model.register_comm_hook(grid.group("dp"), half_precision_hook(run))
     optimizer = fused_adamw(params, run)
@@ -294,7 +424,9 @@ def build_3d(run: Run, method: Method, config: GPTConfig, dense: dict, batch: in
 
     per = batch // method.dp
     d = grid.coord("dp")
-    return Job(step, slice(d * per, (d + 1) * per), grid.group("dp") if method.dp > 1 else None, {"model": model})
+    return Job(
+        step, slice(d * per, (d + 1) * per), grid.group("dp") if method.dp > 1 else None, {"model": model}
+    )
 
 
 def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: int) -> Job:
@@ -324,7 +456,9 @@ def build_peer(run: Run, method: Method, config: GPTConfig, dense: dict, batch: 
         torch.compiler.reset()
         peers.apply_compile(model)
     if dp_mesh is not None:
-        peers.apply_fsdp(model, dp_mesh, torch.bfloat16 if method.half_grads else torch.float32, method.reshard)
+        peers.apply_fsdp(
+            model, dp_mesh, torch.bfloat16 if method.half_grads else torch.float32, method.reshard
+        )
     params = list(model.parameters())
     if kind == "ddp" and world > 1:
         model = DistributedDataParallel(model, device_ids=None if run.cpu else [run.device])
@@ -369,15 +503,32 @@ def predicted_bytes(method: Method, config: GPTConfig, batch: int, seq: int, cpu
     """The bytes the cost model says each rank sends in one step of a 3-D case: float32 operands on
     CPU, bf16 under autocast; the dp reduction in float32, or half with ``bf16grad``."""
     operands = 4 if cpu else 2
-    return sent_bytes(ModelShape.of(config, batch, seq), method.grid, method.dp, save_gathered=method.save_gathered,
-                      element_bytes=operands, grad_bytes=2 if method.half_grads else 4)
+    return sent_bytes(
+        ModelShape.of(config, batch, seq),
+        method.grid,
+        method.dp,
+        save_gathered=method.save_gathered,
+        element_bytes=operands,
+        grad_bytes=2 if method.half_grads else 4,
+    )
 
 
-def resolve_auto(run: Run, method: Method, config: GPTConfig, batch: int, seq: int, machine: Machine) -> Method:
+def resolve_auto(
+    run: Run, method: Method, config: GPTConfig, batch: int, seq: int, machine: Machine
+) -> Method:
     """``3d auto``: the grid and dp ``Tensor3DStrategy(grid="auto", model_shape=..., machine=...)`` resolves to,
     the whole job priced on the ``machine`` measured at the start."""
-    grid, dp = grid_rules.resolve("auto", "auto", run.world, run.world, ModelShape.of(config, batch, seq), method.async_tp, machine, method.half_grads,
-                                  method.grads_at_end)
+    grid, dp = grid_rules.resolve(
+        "auto",
+        "auto",
+        run.world,
+        run.world,
+        ModelShape.of(config, batch, seq),
+        method.async_tp,
+        machine,
+        method.half_grads,
+        method.grads_at_end,
+    )
     return dataclasses.replace(method, grid=tuple(grid), dp=dp)
 
 
@@ -391,8 +542,20 @@ def free_memory(run: Run) -> None:
         torch.cuda.empty_cache()
 
 
-def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data, batch: int, seq: int, warmup: int, steps: int,
-             profile: bool = False, host_profile: bool = False, count_bytes: bool = False) -> dict:
+def run_case(
+    run: Run,
+    method: Method,
+    config: GPTConfig,
+    dense_cpu: dict,
+    data,
+    batch: int,
+    seq: int,
+    warmup: int,
+    steps: int,
+    profile: bool = False,
+    host_profile: bool = False,
+    count_bytes: bool = False,
+) -> dict:
     free_memory(run)
     cuda = not run.cpu
     base = torch.cuda.memory_allocated(run.device) if cuda else 0
@@ -422,7 +585,9 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             losses.append(loss.detach().float().reshape(()))
     timeline = None
-    if profile:  # GPU time of 2 more steps: busy, communication, communication no compute hides, the longest kernels
+    if (
+        profile
+    ):  # GPU time of 2 more steps: busy, communication, communication no compute hides, the longest kernels
         ids, targets = (t[job.rows] for t in data[0])
         trace = os.path.join("/tmp", f"train_job_trace_{os.getpid()}.json.gz")
         timeline = measure.profile_steps(lambda: job.step(ids, targets), 2, trace)
@@ -447,13 +612,24 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
     if job.loss_group is not None:
         dist.all_reduce(loss_t, group=job.loss_group)
         loss_t /= dist.get_world_size(job.loss_group)
-    median, first, peak = measure.all_reduce_max([statistics.median(times[warmup:]), times[0], peak], run.device)
+    median, first, peak = measure.all_reduce_max(
+        [statistics.median(times[warmup:]), times[0], peak], run.device
+    )
     host_by_rank = [None] * run.world
     dist.all_gather_object(host_by_rank, round(statistics.median(host[warmup:]), 2))
     del job
     free_memory(run)
-    result = {"step_ms": median, "first_step_s": first / 1e3, "build_s": build_s, "peak_GiB": peak, "losses": loss_t.tolist(),
-              "step_ms_each": times, "host_ms_each": host, "host_ms_by_rank": host_by_rank, "compiled": compiled_summary()}
+    result = {
+        "step_ms": median,
+        "first_step_s": first / 1e3,
+        "build_s": build_s,
+        "peak_GiB": peak,
+        "losses": loss_t.tolist(),
+        "step_ms_each": times,
+        "host_ms_each": host,
+        "host_ms_by_rank": host_by_rank,
+        "compiled": compiled_summary(),
+    }
     if timeline is not None:
         result["profile_rank0_2_steps"] = timeline
     if host_profile:
@@ -463,7 +639,19 @@ def run_case(run: Run, method: Method, config: GPTConfig, dense_cpu: dict, data,
     return result
 
 
-SAME_JOB = ("world", "device", "torch", "links", "nccl_p2p_disable", "warmup", "steps", "model", "config", "batch", "seq")
+SAME_JOB = (
+    "world",
+    "device",
+    "torch",
+    "links",
+    "nccl_p2p_disable",
+    "warmup",
+    "steps",
+    "model",
+    "config",
+    "batch",
+    "seq",
+)
 
 
 def earlier_job(path: str, meta: dict) -> tuple[dict, list[dict]]:
@@ -471,10 +659,16 @@ def earlier_job(path: str, meta: dict) -> tuple[dict, list[dict]]:
     ``ValueError`` naming the fields where this process's job differs from it (on every rank alike)."""
     with open(path) as f:
         earlier = json.load(f)
-    differ = [f"{k}: {earlier['meta'].get(k)!r} in the file, {meta[k]!r} here" for k in SAME_JOB if earlier["meta"].get(k) != meta[k]]
+    differ = [
+        f"{k}: {earlier['meta'].get(k)!r} in the file, {meta[k]!r} here"
+        for k in SAME_JOB
+        if earlier["meta"].get(k) != meta[k]
+    ]
     if differ:
-        raise ValueError(f"--append: {path} holds another job ({'; '.join(differ)}); "
-                         "give the same model, layers, batch, steps, links and GPUs, or another --out")
+        raise ValueError(
+            f"--append: {path} holds another job ({'; '.join(differ)}); "
+            "give the same model, layers, batch, steps, links and GPUs, or another --out"
+        )
     this = {k: meta[k] for k in ("date", "commit", "argv", "matmul_tflops")}
     return dict(earlier["meta"], appended=earlier["meta"].get("appended", []) + [this]), earlier["cases"]
 
@@ -483,9 +677,12 @@ def compiled_summary() -> dict:
     """What ``torch.compile`` did in this case (this rank): frames traced (a recompilation traces
     one more), distinct graphs, graph breaks and the first few reasons."""
     breaks = compile_counters["graph_break"]
-    return {"frames": compile_counters["frames"]["total"], "graphs": compile_counters["stats"]["unique_graphs"],
-            "graph_breaks": sum(breaks.values()),
-            "break_reasons": [reason.splitlines()[0][:160] for reason in list(breaks)[:4]]}
+    return {
+        "frames": compile_counters["frames"]["total"],
+        "graphs": compile_counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(breaks.values()),
+        "break_reasons": [reason.splitlines()[0][:160] for reason in list(breaks)[:4]],
+    }
 
 
 def agreed(ok: bool, run: Run) -> bool:
@@ -496,25 +693,52 @@ def agreed(ok: bool, run: Run) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU, float32, a tiny model (smoke test)")
-    parser.add_argument("--model", default=None, help=f"one of {sorted(MODELS)} (default gpt2-1.3b; tiny-gpt2 with --cpu)")
+    parser.add_argument(
+        "--model", default=None, help=f"one of {sorted(MODELS)} (default gpt2-1.3b; tiny-gpt2 with --cpu)"
+    )
     parser.add_argument("--layers", type=int, default=None, help="override the model's layers")
-    parser.add_argument("--batch", type=int, default=None, help="global batch in sequences (the same for every case)")
-    parser.add_argument("--cases", default="defaults", help="';'-separated cases in order, or 'defaults' (see the module doc)")
-    parser.add_argument("--links", default="nvlink", choices=("nvlink", "p2p-off"),
-                        help="a tag for the links; p2p-off (NCCL_P2P_DISABLE=1) drops async cases: symmetric memory bypasses NCCL's setting")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="global batch in sequences (the same for every case)"
+    )
+    parser.add_argument(
+        "--cases", default="defaults", help="';'-separated cases in order, or 'defaults' (see the module doc)"
+    )
+    parser.add_argument(
+        "--links",
+        default="nvlink",
+        choices=("nvlink", "p2p-off"),
+        help="a tag for the links; p2p-off (NCCL_P2P_DISABLE=1) drops async cases: symmetric memory bypasses NCCL's setting",
+    )
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--profile", default="", help="';'-separated cases also profiled for 2 steps after timing (GPU kernels on CUDA)")
-    parser.add_argument("--host-profile", default="",
-                        help="';'-separated cases whose rank-0 Python is also profiled (cProfile) for 3 steps after timing")
-    parser.add_argument("--budget-s", type=float, default=1e9, help="start no case that would end after this many seconds")
+    parser.add_argument(
+        "--profile",
+        default="",
+        help="';'-separated cases also profiled for 2 steps after timing (GPU kernels on CUDA)",
+    )
+    parser.add_argument(
+        "--host-profile",
+        default="",
+        help="';'-separated cases whose rank-0 Python is also profiled (cProfile) for 3 steps after timing",
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=1e9, help="start no case that would end after this many seconds"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--append", action="store_true",
-                        help="add the cases to the file an earlier process of the same job wrote (one process per case: launch.py)")
-    parser.add_argument("--count-bytes", action="store_true",
-                        help="one more step per case, the bytes each rank sends counted from its collectives")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add the cases to the file an earlier process of the same job wrote (one process per case: launch.py)",
+    )
+    parser.add_argument(
+        "--count-bytes",
+        action="store_true",
+        help="one more step per case, the bytes each rank sends counted from its collectives",
+    )
     args = parser.parse_args()
     cpu = args.cpu
     dist.init_process_group("gloo" if cpu else "nccl", timeout=datetime.timedelta(seconds=600))
@@ -528,15 +752,24 @@ def main() -> None:
     batch = args.batch or batch
     config = GPTConfig(block_size=seq, dropout=0.0, tie_embeddings=False, **fields)
     warmup, steps = args.warmup or (2 if cpu else 3), args.steps or (2 if cpu else 6)
-    texts = DEFAULT_CASES[run.world] if args.cases == "defaults" else [t.strip() for t in args.cases.split(";") if t.strip()]
+    texts = (
+        DEFAULT_CASES[run.world]
+        if args.cases == "defaults"
+        else [t.strip() for t in args.cases.split(";") if t.strip()]
+    )
     methods = [Method.parse(t, run.world) for t in texts]
-    profiled, python_profiled = (profiled_labels(option, text, methods, run.world) for option, text in
-                                 (("--profile", args.profile), ("--host-profile", args.host_profile)))
+    profiled, python_profiled = (
+        profiled_labels(option, text, methods, run.world)
+        for option, text in (("--profile", args.profile), ("--host-profile", args.host_profile))
+    )
     if args.links == "p2p-off":
         methods = [m for m in methods if not m.async_tp]
 
     torch.manual_seed(0)
-    dense_cpu = {k: v.cpu() if cpu else v.cpu().pin_memory() for k, v in DenseGPT(config, device=run.device).state_dict().items()}
+    dense_cpu = {
+        k: v.cpu() if cpu else v.cpu().pin_memory()
+        for k, v in DenseGPT(config, device=run.device).state_dict().items()
+    }
     n_params = sum(v.numel() for v in dense_cpu.values())
     gen = torch.Generator().manual_seed(1)
     data = []
@@ -550,19 +783,38 @@ def main() -> None:
         matmul = measure.matmul_tflops(run.device, torch.bfloat16, 8192)
     matmul = -measure.all_reduce_max([-matmul], run.device)[0]
     machine = measure_machine(run.device, gpus_per_node=run.world)  # one node: torchrun --nproc_per_node
-    meta = {"world": run.world, "device": "cpu" if cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
-            "nccl": None if cpu else ".".join(map(str, torch.cuda.nccl.version())),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": os.environ.get("BENCH_COMMIT", ""), "argv": sys.argv, "links": args.links,
-            "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""),
-            "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
-            "gpu_GiB": None if cpu else torch.cuda.get_device_properties(run.device).total_memory / 2**30, "warmup": warmup, "steps": steps,
-            "warm_run_steps": 1, "model": name, "config": dataclasses.asdict(config), "params": n_params, "batch": batch, "seq": seq,
-            "tokens_per_step": batch * seq, "flops_per_step": flops, "matmul_tflops": matmul,
-            "precision": "fp32 (cpu)" if cpu else "bf16 mixed, fp32 master weights", "optimizer": f"AdamW lr {LR} wd {WEIGHT_DECAY}, fused",
-            "clip": CLIP, "machine": machine.rates()}
-    run.log(f"{name}: {n_params / 1e9:.2f}B parameters, batch {batch}×{seq}, world {run.world} on {meta['device']}, "
-            f"links {args.links}, matmul {matmul:.0f} TFLOP/s")
+    meta = {
+        "world": run.world,
+        "device": "cpu" if cpu else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "nccl": None if cpu else ".".join(map(str, torch.cuda.nccl.version())),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": os.environ.get("BENCH_COMMIT", ""),
+        "argv": sys.argv,
+        "links": args.links,
+        "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE", ""),
+        "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")),
+        "gpu_GiB": None if cpu else torch.cuda.get_device_properties(run.device).total_memory / 2**30,
+        "warmup": warmup,
+        "steps": steps,
+        "warm_run_steps": 1,
+        "model": name,
+        "config": dataclasses.asdict(config),
+        "params": n_params,
+        "batch": batch,
+        "seq": seq,
+        "tokens_per_step": batch * seq,
+        "flops_per_step": flops,
+        "matmul_tflops": matmul,
+        "precision": "fp32 (cpu)" if cpu else "bf16 mixed, fp32 master weights",
+        "optimizer": f"AdamW lr {LR} wd {WEIGHT_DECAY}, fused",
+        "clip": CLIP,
+        "machine": machine.rates(),
+    }
+    run.log(
+        f"{name}: {n_params / 1e9:.2f}B parameters, batch {batch}×{seq}, world {run.world} on {meta['device']}, "
+        f"links {args.links}, matmul {matmul:.0f} TFLOP/s"
+    )
     size = f"_L{config.n_layer}" if args.layers else ""
     path = os.path.join(args.out, f"job_w{run.world}_{name}{size}_{args.links}.json")
     os.makedirs(args.out, exist_ok=True)
@@ -570,7 +822,10 @@ def main() -> None:
     if args.append and os.path.exists(path):
         meta, cases = earlier_job(path, meta)
     done: dict[str, dict] = {}
-    cost = {False: 20.0 if not cpu else 1.0, True: 45.0 if not cpu else 1.0}  # seconds a case takes: a guess, then the most measured
+    cost = {
+        False: 20.0 if not cpu else 1.0,
+        True: 45.0 if not cpu else 1.0,
+    }  # seconds a case takes: a guess, then the most measured
     measured: set[bool] = set()
     for method in methods:
         label = method.label
@@ -588,16 +843,34 @@ def main() -> None:
             continue
         elapsed = time.perf_counter() - started
         if elapsed + cost[method.compile] > args.budget_s:
-            cases.append(dict(entry, error=f"not run: time budget ({elapsed:.0f} s of {args.budget_s:.0f} s spent)"))
+            cases.append(
+                dict(entry, error=f"not run: time budget ({elapsed:.0f} s of {args.budget_s:.0f} s spent)")
+            )
             run.log(f"  {label:24s} not run (time budget)")
             continue
         t0 = time.perf_counter()
         error = None
         try:
-            run_case(run, method, config, dense_cpu, data, batch, seq, 0, 1)  # the warm run: untimed, not recorded
-            result = run_case(run, method, config, dense_cpu, data, batch, seq, warmup, steps, profile=label in profiled,
-                              host_profile=label in python_profiled, count_bytes=args.count_bytes)
-        except Exception as e:  # a case that fails (out of memory, a peer's limits) is recorded, the rest still run
+            run_case(
+                run, method, config, dense_cpu, data, batch, seq, 0, 1
+            )  # the warm run: untimed, not recorded
+            result = run_case(
+                run,
+                method,
+                config,
+                dense_cpu,
+                data,
+                batch,
+                seq,
+                warmup,
+                steps,
+                profile=label in profiled,
+                host_profile=label in python_profiled,
+                count_bytes=args.count_bytes,
+            )
+        except (
+            Exception
+        ) as e:  # a case that fails (out of memory, a peer's limits) is recorded, the rest still run
             error = f"{type(e).__name__}: {str(e)[:400]}"
             result = {}
             free_memory(run)
@@ -605,9 +878,14 @@ def main() -> None:
             result = {"error": error or "failed on another rank"}
         else:
             s = result["step_ms"] / 1e3
-            result.update(tokens_per_s=batch * seq / s, tflops_per_gpu=flops / s / run.world / 1e12,
-                          mfu=flops / s / run.world / (matmul * 1e12))
-            if args.count_bytes and method.kind == "3d" and not method.checkpointing:  # recomputed collectives: not priced
+            result.update(
+                tokens_per_s=batch * seq / s,
+                tflops_per_gpu=flops / s / run.world / 1e12,
+                mfu=flops / s / run.world / (matmul * 1e12),
+            )
+            if (
+                args.count_bytes and method.kind == "3d" and not method.checkpointing
+            ):  # recomputed collectives: not priced
                 result["predicted_sent_bytes"] = predicted_bytes(method, config, batch, seq, cpu)
         spent = time.perf_counter() - t0
         cost[method.compile] = max(cost[method.compile], spent) if method.compile in measured else spent
@@ -618,9 +896,11 @@ def main() -> None:
         if "error" in result:
             run.log(f"  {label:24s} FAILED {result['error']}")
         else:
-            run.log(f"  {label:24s} {result['step_ms']:8.1f} ms {result['tokens_per_s']:9.0f} tok/s MFU {result['mfu']:.1%} "
-                    f"peak {result['peak_GiB']:6.2f} GiB loss {' '.join(f'{v:.5f}' for v in result['losses'])} "
-                    f"(first step {result['first_step_s']:.1f} s)")
+            run.log(
+                f"  {label:24s} {result['step_ms']:8.1f} ms {result['tokens_per_s']:9.0f} tok/s MFU {result['mfu']:.1%} "
+                f"peak {result['peak_GiB']:6.2f} GiB loss {' '.join(f'{v:.5f}' for v in result['losses'])} "
+                f"(first step {result['first_step_s']:.1f} s)"
+            )
         if run.rank == 0:
             with open(path, "w") as f:
                 json.dump({"meta": meta, "cases": cases}, f, indent=1)

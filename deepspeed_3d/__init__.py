@@ -36,4 +36,16 @@ def __getattr__(name: str):
         return strategy_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["GridMPU", "Tensor3DDeepSpeedStrategy", "check_batch_size", "init_grid_from_config", "initialize", "load_checkpoint", "load_config", "save_checkpoint", "tag_grad_norm_params", "to_dense"]
+
+__all__ = [
+    "GridMPU",
+    "Tensor3DDeepSpeedStrategy",
+    "check_batch_size",
+    "init_grid_from_config",
+    "initialize",
+    "load_checkpoint",
+    "load_config",
+    "save_checkpoint",
+    "tag_grad_norm_params",
+    "to_dense",
+]

@@ -41,7 +41,9 @@ def tag_dir(checkpoint_dir: str | Path, tag: str | None = None) -> Path:
     if tag is None:
         latest = checkpoint_dir / "latest"
         if not latest.is_file():
-            raise ValueError(f"{checkpoint_dir} has no 'latest' file; pass the checkpoint tag (a subdirectory name)")
+            raise ValueError(
+                f"{checkpoint_dir} has no 'latest' file; pass the checkpoint tag (a subdirectory name)"
+            )
         tag = latest.read_text().strip()
     path = checkpoint_dir / str(tag)
     if not path.is_dir():
@@ -91,7 +93,9 @@ def rank_state_dict(path: Path, mp_rank: int) -> dict[str, torch.Tensor]:
     files = sorted(path.glob(f"*mp_rank_{mp_rank:02d}_*.pt"))
     if not any(f.name.endswith("_optim_states.pt") for f in files):
         return load_file(path / f"mp_rank_{mp_rank:02d}_model_states.pt")["module"]
-    with tempfile.TemporaryDirectory() as tmp:  # DeepSpeed's reader globs a directory: show it this rank's files only
+    with (
+        tempfile.TemporaryDirectory() as tmp
+    ):  # DeepSpeed's reader globs a directory: show it this rank's files only
         view = Path(tmp) / path.name
         view.mkdir()
         for f in files:
@@ -101,10 +105,14 @@ def rank_state_dict(path: Path, mp_rank: int) -> dict[str, torch.Tensor]:
 
 def _offline_grid(record: dict) -> Grid:
     """A grid description without process groups: enough to place shards (sizes, coordinates)."""
-    return Grid(tuple(record["grid"]), record["data_parallel_size"], (0, 0, 0, 0), mesh=None, timeout=None, _groups={})
+    return Grid(
+        tuple(record["grid"]), record["data_parallel_size"], (0, 0, 0, 0), mesh=None, timeout=None, _groups={}
+    )
 
 
-def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str | None = None) -> dict[str, torch.Tensor]:
+def to_dense(
+    checkpoint_dir: str | Path, tag: str | None = None, prefix: str | None = None
+) -> dict[str, torch.Tensor]:
     """The dense state dict of a DeepSpeed 3-D checkpoint, in one process (no process group needed).
 
     Every file is read weights-only first (:func:`read_record`); DeepSpeed's ZeRO reader follows.
@@ -119,10 +127,16 @@ def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str | N
     path = tag_dir(checkpoint_dir, tag)
     record = read_record(path)
     if record is None:
-        raise ValueError(f"{path} carries no {RECORD_KEY!r}: it was not saved by an engine of deepspeed_3d.initialize")
+        raise ValueError(
+            f"{path} carries no {RECORD_KEY!r}: it was not saved by an engine of deepspeed_3d.initialize"
+        )
     prefix = root_info(record.get("dense_root"), prefix)["prefix"]
     grid = _offline_grid(record)
-    specs, dense_shapes, transposed = record_specs(record), record["dense_shapes"], set(record.get("dense_transposed", ()))
+    specs, dense_shapes, transposed = (
+        record_specs(record),
+        record["dense_shapes"],
+        set(record.get("dense_transposed", ())),
+    )
     orders = record.get("dense_row_orders", {})
     shards = [rank_state_dict(path, r) for r in range(grid.cube_size)]
     out = {}
@@ -130,26 +144,46 @@ def to_dense(checkpoint_dir: str | Path, tag: str | None = None, prefix: str | N
         if not key.startswith(prefix):
             continue
         spec = specs.get(key)
-        tied = record.get("ties", {}).get(key, key)  # DeepSpeed lists a tied parameter under its first name only, on some ranks
-        full = value if spec is None else assemble_tensor([shard.get(key, shard.get(tied)) for shard in shards], spec, grid)
-        out[key[len(prefix):]] = global_to_dense(full, dense_shapes.get(key), key in transposed, orders.get(key))
+        tied = record.get("ties", {}).get(
+            key, key
+        )  # DeepSpeed lists a tied parameter under its first name only, on some ranks
+        full = (
+            value
+            if spec is None
+            else assemble_tensor([shard.get(key, shard.get(tied)) for shard in shards], spec, grid)
+        )
+        out[key[len(prefix) :]] = global_to_dense(
+            full, dense_shapes.get(key), key in transposed, orders.get(key)
+        )
     if not out:
         raise ValueError(f"{path} holds no model tensors under the prefix {prefix!r}")
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m deepspeed_3d.checkpoint", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m deepspeed_3d.checkpoint", description=__doc__.split("\n\n")[0]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    dense = commands.add_parser("to-dense", help="write a DeepSpeed 3-D checkpoint's model as one dense state-dict file")
+    dense = commands.add_parser(
+        "to-dense", help="write a DeepSpeed 3-D checkpoint's model as one dense state-dict file"
+    )
     dense.add_argument("checkpoint", help="the directory given to engine.save_checkpoint")
     dense.add_argument("output", help="output file (torch.save of the state dict)")
     dense.add_argument("--tag", default=None, help="checkpoint tag (default: the one in CHECKPOINT/latest)")
-    dense.add_argument("--prefix", default=None, help="keep only keys starting with this and drop it; '' keeps every key; "
-                       "default: the recorded prefix of the model, so the keys are its dense twin's")
+    dense.add_argument(
+        "--prefix",
+        default=None,
+        help="keep only keys starting with this and drop it; '' keeps every key; "
+        "default: the recorded prefix of the model, so the keys are its dense twin's",
+    )
     args = parser.parse_args(argv)
     record = read_record(tag_dir(args.checkpoint, args.tag)) or {}
-    save_dense(to_dense(args.checkpoint, args.tag, args.prefix), args.output, root_info(record.get("dense_root"), args.prefix))
+    save_dense(
+        to_dense(args.checkpoint, args.tag, args.prefix),
+        args.output,
+        root_info(record.get("dense_root"), args.prefix),
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ def load_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
         return copy.deepcopy(config)
     if isinstance(config, (str, os.PathLike)):
         if not os.path.isfile(config):
-            raise ValueError(f"DeepSpeed config {os.fspath(config)!r} is not a file; pass a dict or the path of a JSON file")
+            raise ValueError(
+                f"DeepSpeed config {os.fspath(config)!r} is not a file; pass a dict or the path of a JSON file"
+            )
         with open(config) as f:
             return json.load(f)
     raise ValueError(f"config must be a dict or the path of a JSON file, got {type(config).__name__}")
@@ -46,8 +48,10 @@ def grid_shape(config: dict[str, Any]) -> tuple[int, int, int] | None:
     if section is None:
         return None
     if not isinstance(section, dict) or set(section) - _SECTION_KEYS or "grid" not in section:
-        raise ValueError(f'the "{SECTION}" section must be {{"grid": [px, py, pz]}} with an optional "async_tp": true/false, '
-                         f'got {section!r}')
+        raise ValueError(
+            f'the "{SECTION}" section must be {{"grid": [px, py, pz]}} with an optional "async_tp": true/false, '
+            f"got {section!r}"
+        )
     try:
         return arguments.grid_shape(section["grid"])
     except ValueError as e:
@@ -119,7 +123,14 @@ def check_batch_size(config: dict[str, Any], grid: Grid) -> None:
                 f"(the ranks of one cube share a micro-batch, so only dp multiplies it)"
             )
     elif total % per_step:
-        known = " × ".join(f"{k} {v}" for k, v in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accumulation)) if v is not None)
+        known = " × ".join(
+            f"{k} {v}"
+            for k, v in (
+                ("train_micro_batch_size_per_gpu", micro),
+                ("gradient_accumulation_steps", accumulation),
+            )
+            if v is not None
+        )
         raise ValueError(
             f"train_batch_size {total} is not a multiple of {known + ' × ' if known else ''}{dp_note}, "
             f"so no whole number of micro-batches fills it; make train_batch_size a multiple of {per_step}"

@@ -21,9 +21,9 @@ from .config import (
     load_config,
 )
 from .grad_norm_tags import tag_grad_norm_params
-from .sharding_record import RECORD_KEY, check_same_grid, sharding_record
 from .mpu import GridMPU
 from .precision import check_precision
+from .sharding_record import RECORD_KEY, check_same_grid, sharding_record
 
 
 def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, **kwargs) -> tuple:
@@ -61,15 +61,21 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
         set_options(model, async_tp=True)
     config.pop(SECTION, None)
     check_batch_size(config, grid)
-    if "optimizer" in config or kwargs.get("optimizer") is not None:  # the gradient norm matters only when training
+    if (
+        "optimizer" in config or kwargs.get("optimizer") is not None
+    ):  # the gradient norm matters only when training
         check_precision(config, grid)
     keep_torch_linear(config)
     tag_grad_norm_params(model, grid)
-    engine, optimizer, dataloader, scheduler = deepspeed.initialize(model=model, config=config, mpu=GridMPU(grid), **kwargs)
+    engine, optimizer, dataloader, scheduler = deepspeed.initialize(
+        model=model, config=config, mpu=GridMPU(grid), **kwargs
+    )
     return engine, optimizer, dataloader, scheduler
 
 
-def save_checkpoint(engine, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None, **kwargs):
+def save_checkpoint(
+    engine, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None, **kwargs
+):
     """``engine.save_checkpoint`` with the model's sharding record in the client state (:mod:`deepspeed_3d.sharding_record`).
 
     The record lets :func:`~deepspeed_3d.checkpoint.to_dense` assemble the checkpoint without the

@@ -56,7 +56,9 @@ class GridMPU:
     def get_pipeline_model_parallel_group(self) -> dist.ProcessGroup:
         """A group holding this rank alone (created on first use, by this rank only)."""
         if self._pipeline_group is None:
-            self._pipeline_group = dist.new_group([dist.get_rank()], timeout=self.grid.timeout, use_local_synchronization=True)
+            self._pipeline_group = dist.new_group(
+                [dist.get_rank()], timeout=self.grid.timeout, use_local_synchronization=True
+            )
         return self._pipeline_group
 
     # Data parallelism: the replicas of this rank's shard.

@@ -29,5 +29,5 @@ def check_precision(config: dict[str, Any], grid: Grid) -> None:
         px, py, pz = grid.shape
         raise ValueError(
             f"{mixed[0]} without ZeRO on a {px}×{py}×{pz} grid: DeepSpeed's stage-0 {mixed[0]} optimizer counts only "
-            f"model-parallel rank 0's gradients in the gradient norm; set \"zero_optimization\": {{\"stage\": 1}} (or 2, 3)"
+            f'model-parallel rank 0\'s gradients in the gradient norm; set "zero_optimization": {{"stage": 1}} (or 2, 3)'
         )

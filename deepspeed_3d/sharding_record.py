@@ -38,17 +38,29 @@ def sharding_record(module: nn.Module, grid: Grid) -> dict[str, Any]:
     for name, param in module.named_parameters(remove_duplicate=False):
         spec = get_spec(param)
         if spec is not None:
-            params[name] = {"global_shape": list(spec.global_shape), "dims": [list(axes) for axes in spec.dims]}
+            params[name] = {
+                "global_shape": list(spec.global_shape),
+                "dims": [list(axes) for axes in spec.dims],
+            }
         ties[name] = first.setdefault(id(param), name)  # a tied parameter (an LM head's) → its first name
-    return {"grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size, "params": params,
-            "dense_shapes": dense_shapes(module), "dense_transposed": dense_transposed(module),
-            "dense_row_orders": dense_row_orders(module), "dense_root": dense_root(module),
-            "ties": {k: v for k, v in ties.items() if k != v}}
+    return {
+        "grid": list(grid.shape),
+        "data_parallel_size": grid.data_parallel_size,
+        "params": params,
+        "dense_shapes": dense_shapes(module),
+        "dense_transposed": dense_transposed(module),
+        "dense_row_orders": dense_row_orders(module),
+        "dense_root": dense_root(module),
+        "ties": {k: v for k, v in ties.items() if k != v},
+    }
 
 
 def record_specs(record: dict[str, Any]) -> dict[str, ShardSpec]:
     """``{name: ShardSpec}`` of a sharding record."""
-    return {name: ShardSpec(tuple(p["global_shape"]), tuple(tuple(axes) for axes in p["dims"])) for name, p in record["params"].items()}
+    return {
+        name: ShardSpec(tuple(p["global_shape"]), tuple(tuple(axes) for axes in p["dims"]))
+        for name, p in record["params"].items()
+    }
 
 
 def check_same_grid(saved: dict[str, Any], current: dict[str, Any]) -> None:

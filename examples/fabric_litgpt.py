@@ -42,21 +42,55 @@ BYTES = 256
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", default="runs/fabric_litgpt", help="checkpoints and the export go here")
-    p.add_argument("--model", default="pythia-14m", help="a LitGPT config name (litgpt.Config.from_name), with a byte vocabulary")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in OUT/checkpoints")
-    p.add_argument("--devices", type=int, default=torch.cuda.device_count() if gpu else 8, help="processes (GPUs, or CPU processes)")
+    p.add_argument(
+        "--model",
+        default="pythia-14m",
+        help="a LitGPT config name (litgpt.Config.from_name), with a byte vocabulary",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in OUT/checkpoints",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=torch.cuda.device_count() if gpu else 8,
+        help="processes (GPUs, or CPU processes)",
+    )
     p.add_argument("--grid", default="auto" if gpu else "2,2,2", help="'auto' or px,py,pz")
     p.add_argument("--precision", default="bf16-mixed" if gpu else "32-true", help="Fabric's precision flag")
-    p.add_argument("--max-steps", type=int, default=1000 if gpu else 60, help="optimizer steps of the whole run (a resumed one too)")
-    p.add_argument("--save-every", type=int, default=200 if gpu else 20, help="steps between sharded checkpoints")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=1000 if gpu else 60,
+        help="optimizer steps of the whole run (a resumed one too)",
+    )
+    p.add_argument(
+        "--save-every", type=int, default=200 if gpu else 20, help="steps between sharded checkpoints"
+    )
     p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
-    p.add_argument("--batch-size", type=int, default=64 if gpu else 8, help="global: sequences a step over all replicas")
+    p.add_argument(
+        "--batch-size", type=int, default=64 if gpu else 8, help="global: sequences a step over all replicas"
+    )
     p.add_argument("--seq-len", type=int, default=256 if gpu else 64, help="tokens (bytes) a sequence")
-    p.add_argument("--lr", type=float, default=1e-3 if gpu else 3e-3, help="peak AdamW learning rate (cosine decay to 10%%)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=1e-3 if gpu else 3e-3,
+        help="peak AdamW learning rate (cosine decay to 10%%)",
+    )
     p.add_argument("--warmup", type=int, default=10, help="steps of linear learning-rate warm-up")
-    p.add_argument("--max-bytes", type=int, default=12_000_000 if gpu else 2_000_000, help="how much of the standard library to read")
+    p.add_argument(
+        "--max-bytes",
+        type=int,
+        default=12_000_000 if gpu else 2_000_000,
+        help="how much of the standard library to read",
+    )
     p.add_argument("--seed", type=int, default=1337, help="seed of the model init and the data order")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (RuntimeOptions.compile)")
     return p.parse_args(argv)
@@ -75,7 +109,9 @@ def make_fabric(args: argparse.Namespace) -> Fabric:
     if args.grid == "auto":
         strategy = lightning_3d.strategy.Tensor3DFabricStrategy(options=options)
     else:
-        strategy = lightning_3d.strategy.Tensor3DFabricStrategy(grid=tuple(int(n) for n in args.grid.split(",")), options=options)
+        strategy = lightning_3d.strategy.Tensor3DFabricStrategy(
+            grid=tuple(int(n) for n in args.grid.split(",")), options=options
+        )
     return Fabric(accelerator=accelerator, devices=args.devices, strategy=strategy, precision=args.precision)
 
 
@@ -123,9 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     with fabric.init_module(empty_init=True):  # on meta: setup draws each rank's shards
         model = GPT(config)
     model = fabric.setup(model)
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1))
-    fabric.print(f"LitGPT {args.model}: {config.n_layer} layers, {config.n_embd} wide, {config.n_head} heads; "
-                 f"grid {grid.shape}, dp {dp}")
+    optimizer = fabric.setup_optimizers(
+        torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    )
+    fabric.print(
+        f"LitGPT {args.model}: {config.n_layer} layers, {config.n_embd} wide, {config.n_head} heads; "
+        f"grid {grid.shape}, dp {dp}"
+    )
 
     out = Path(args.out)
     state = {"model": model, "optimizer": optimizer, "step": 0}
@@ -153,7 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.zero_grad()
         state["step"] = step + 1
         if state["step"] % args.log_every == 0 or state["step"] == args.max_steps:
-            mean = fabric.all_reduce(loss.detach(), reduce_op="mean").item()  # over every rank: the mean over the replicas
+            mean = fabric.all_reduce(
+                loss.detach(), reduce_op="mean"
+            ).item()  # over every rank: the mean over the replicas
             now = time.perf_counter()
             rate = tokens_per_step * (state["step"] - logged) / (now - tick)
             fabric.print(f"step {state['step']:5d}/{args.max_steps}  loss {mean:.4f}  {rate:,.0f} tok/s")

@@ -52,8 +52,16 @@ def write_tiny_llama(path: Path, vocab: int, seq_len: int) -> None:
     """A random 2-layer Llama (4 heads, 2 key/value heads, untied head) saved with plain ``transformers``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=seq_len, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
 
@@ -73,11 +81,15 @@ class FineTune(pl.LightningModule):
         from transformers import AutoModelForCausalLM
 
         if self.model is None:
-            self.model = parallelize(AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)).train()
+            self.model = parallelize(
+                AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            ).train()
 
     def train_dataloader(self) -> DataLoader:
         vocab = self.model.config.vocab_size
-        data = RuleSequences(self.args.batch_size * self.args.max_steps, self.args.seq_len, vocab, self.args.seed)
+        data = RuleSequences(
+            self.args.batch_size * self.args.max_steps, self.args.seq_len, vocab, self.args.seed
+        )
         return DataLoader(data, batch_size=self.args.batch_size // self.grid.data_parallel_size)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -93,27 +105,47 @@ class FineTune(pl.LightningModule):
         from transformers import AutoModelForCausalLM
 
         folder = Path(self.args.out) / "finetuned"
-        data = RuleSequences(self.args.batch_size, self.args.seq_len, self.model.config.vocab_size, seed=self.args.seed + 1)
+        data = RuleSequences(
+            self.args.batch_size, self.args.seq_len, self.model.config.vocab_size, seed=self.args.seed + 1
+        )
         batch = next(iter(DataLoader(data, batch_size=self.args.batch_size)))
         with torch.no_grad():
-            trained = self.model(**{k: t.to(self.device) for k, t in batch.items()}).loss  # every rank: a collective
+            trained = self.model(
+                **{k: t.to(self.device) for k, t in batch.items()}
+            ).loss  # every rank: a collective
         save_pretrained(self.model, folder)
         if self.trainer.is_global_zero:
             with torch.no_grad():
                 exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(**batch).loss
-            print(f"saved {folder}: held-out loss {trained:.4f} on the grid, {exported:.4f} loaded by transformers")
+            print(
+                f"saved {folder}: held-out loss {trained:.4f} on the grid, {exported:.4f} loaded by transformers"
+            )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model-dir", default=None, help="a local Hugging Face folder; none: a tiny random Llama")
-    parser.add_argument("--out", default="runs/finetune_hf", help="where the initial (if written) and fine-tuned folders go")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--model-dir", default=None, help="a local Hugging Face folder; none: a tiny random Llama"
+    )
+    parser.add_argument(
+        "--out", default="runs/finetune_hf", help="where the initial (if written) and fine-tuned folders go"
+    )
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"], help="CPU processes or GPUs")
     parser.add_argument("--devices", type=int, default=4, help="processes (CPU, over gloo) or GPUs")
-    parser.add_argument("--grid", type=int, nargs=3, default=[1, 2, 2], metavar=("PX", "PY", "PZ"),
-                        help="the cube; the rest of the devices is data parallelism")
+    parser.add_argument(
+        "--grid",
+        type=int,
+        nargs=3,
+        default=[1, 2, 2],
+        metavar=("PX", "PY", "PZ"),
+        help="the cube; the rest of the devices is data parallelism",
+    )
     parser.add_argument("--max-steps", type=int, default=30, help="optimizer steps (one epoch of fresh data)")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch: a multiple of dp·lcm(px·py, px·pz)")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="global batch: a multiple of dp·lcm(px·py, px·pz)"
+    )
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence, padding included")
     parser.add_argument("--vocab", type=int, default=128, help="vocabulary of the tiny model")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
@@ -123,15 +155,26 @@ def main() -> None:
     px, py, pz = args.grid
     multiple = (args.devices // (px * py * pz)) * math.lcm(px * py, px * pz)
     if args.devices % (px * py * pz) or args.batch_size % multiple:
-        parser.error(f"--devices {args.devices} must be a multiple of px·py·pz = {px * py * pz}, and --batch-size "
-                     f"{args.batch_size} a multiple of dp·lcm(px·py, px·pz) = {multiple}")
+        parser.error(
+            f"--devices {args.devices} must be a multiple of px·py·pz = {px * py * pz}, and --batch-size "
+            f"{args.batch_size} a multiple of dp·lcm(px·py, px·pz) = {multiple}"
+        )
     pl.seed_everything(args.seed)
-    trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=Tensor3DStrategy(grid=tuple(args.grid)),
-                         precision=args.precision, max_steps=args.max_steps, logger=False, enable_checkpointing=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=Tensor3DStrategy(grid=tuple(args.grid)),
+        precision=args.precision,
+        max_steps=args.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
     trainer.fit(FineTune(args))
     if trainer.is_global_zero:
-        print(f"trained {trainer.global_step} steps on a {px}×{py}×{pz} grid: loss {trainer.callback_metrics['loss']:.4f}")
+        print(
+            f"trained {trainer.global_step} steps on a {px}×{py}×{pz} grid: loss {trainer.callback_metrics['loss']:.4f}"
+        )
 
 
 if __name__ == "__main__":

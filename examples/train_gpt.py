@@ -64,7 +64,9 @@ class Windows(Dataset):
 
     def __init__(self, data: torch.Tensor, seq_len: int, count: int, seed: int):
         self.data, self.seq_len = data, seq_len
-        self.starts = torch.randint(0, len(data) - seq_len - 1, (count,), generator=torch.Generator().manual_seed(seed))
+        self.starts = torch.randint(
+            0, len(data) - seq_len - 1, (count,), generator=torch.Generator().manual_seed(seed)
+        )
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -79,7 +81,13 @@ class StdlibText(pl.LightningDataModule):
 
     def __init__(self, seq_len: int, batch_size: int, max_bytes: int, val_windows: int, seed: int):
         super().__init__()
-        self.seq_len, self.batch_size, self.max_bytes, self.val_windows, self.seed = seq_len, batch_size, max_bytes, val_windows, seed
+        self.seq_len, self.batch_size, self.max_bytes, self.val_windows, self.seed = (
+            seq_len,
+            batch_size,
+            max_bytes,
+            val_windows,
+            seed,
+        )
 
     def setup(self, stage: str) -> None:
         train, val = stdlib_bytes(self.max_bytes)
@@ -89,7 +97,9 @@ class StdlibText(pl.LightningDataModule):
     def _replica_batch(self) -> int:
         dp = self.trainer.strategy.grid.data_parallel_size
         if self.batch_size % dp:
-            raise ValueError(f"--batch-size {self.batch_size} must be divisible by the data-parallel size {dp}")
+            raise ValueError(
+                f"--batch-size {self.batch_size} must be divisible by the data-parallel size {dp}"
+            )
         return self.batch_size // dp
 
     def train_dataloader(self) -> DataLoader:
@@ -102,8 +112,19 @@ class StdlibText(pl.LightningDataModule):
 class ByteGPT(pl.LightningModule):
     """GPT3D on bytes; the 3-D layers are built in ``configure_model`` on the strategy's grid."""
 
-    def __init__(self, n_layer: int, n_head: int, n_embd: int, seq_len: int, dropout: float, lr: float, warmup: int, max_steps: int,
-                 compile: bool = False, regather: bool = False):
+    def __init__(
+        self,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        seq_len: int,
+        dropout: float,
+        lr: float,
+        warmup: int,
+        max_steps: int,
+        compile: bool = False,
+        regather: bool = False,
+    ):
         super().__init__()
         self.save_hyperparameters()
         self.model: GPT3D | None = None
@@ -114,7 +135,14 @@ class ByteGPT(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:
             hp = self.hparams
-            config = GPTConfig(vocab_size=256, block_size=hp.seq_len, n_layer=hp.n_layer, n_head=hp.n_head, n_embd=hp.n_embd, dropout=hp.dropout)
+            config = GPTConfig(
+                vocab_size=256,
+                block_size=hp.seq_len,
+                n_layer=hp.n_layer,
+                n_head=hp.n_head,
+                n_embd=hp.n_embd,
+                dropout=hp.dropout,
+            )
             options = RuntimeOptions(compile=hp.compile, save_gathered=not hp.regather)
             self.model = GPT3D(config, grid=self.grid, options=options)
 
@@ -133,7 +161,9 @@ class ByteGPT(pl.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         """Remember the epoch's validation loss (mean over the dp replicas); the sanity check's is the untrained one."""
-        loss = self.trainer.strategy.reduce(torch.stack(self._val_batch_losses).mean(), reduce_op="mean").item()
+        loss = self.trainer.strategy.reduce(
+            torch.stack(self._val_batch_losses).mean(), reduce_op="mean"
+        ).item()
         self._val_batch_losses.clear()
         if self.trainer.sanity_checking:
             self.untrained_val_loss = loss
@@ -150,7 +180,13 @@ class ByteGPT(pl.LightningModule):
             progress = min(1.0, (step - hp.warmup) / max(1, hp.max_steps - hp.warmup))
             return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+                "interval": "step",
+            },
+        }
 
 
 class TokensPerSecond(pl.Callback):
@@ -163,34 +199,81 @@ class TokensPerSecond(pl.Callback):
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        module.log("tok/s", self.tokens_per_step / (time.perf_counter() - self.start), prog_bar=True, rank_zero_only=True)
+        module.log(
+            "tok/s",
+            self.tokens_per_step / (time.perf_counter() - self.start),
+            prog_bar=True,
+            rank_zero_only=True,
+        )
 
 
 def run_parser(description: str, out: str) -> argparse.ArgumentParser:
     """The options this example shares with train_gpt_deepspeed.py: run, model, data, optimiser."""
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--out", default=out, help="logs and checkpoints go here")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in OUT/checkpoints")
-    p.add_argument("--devices", type=int, default=torch.cuda.device_count() if gpu else 8, help="processes (GPUs, or CPU processes)")
-    p.add_argument("--precision", default="bf16-mixed" if gpu else "32-true", help="Lightning's precision flag")
-    p.add_argument("--max-steps", type=int, default=2000 if gpu else 240, help="optimizer steps of the whole run (a resumed one too)")
-    p.add_argument("--steps-per-epoch", type=int, default=200 if gpu else 40, help="a checkpoint and a validation after each")
-    p.add_argument("--batch-size", type=int, default=64 if gpu else 16, help="global: sequences a step over all replicas")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in OUT/checkpoints",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=torch.cuda.device_count() if gpu else 8,
+        help="processes (GPUs, or CPU processes)",
+    )
+    p.add_argument(
+        "--precision", default="bf16-mixed" if gpu else "32-true", help="Lightning's precision flag"
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=2000 if gpu else 240,
+        help="optimizer steps of the whole run (a resumed one too)",
+    )
+    p.add_argument(
+        "--steps-per-epoch",
+        type=int,
+        default=200 if gpu else 40,
+        help="a checkpoint and a validation after each",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=64 if gpu else 16, help="global: sequences a step over all replicas"
+    )
     p.add_argument("--seq-len", type=int, default=256 if gpu else 64, help="tokens (bytes) a sequence")
     p.add_argument("--n-layer", type=int, default=8 if gpu else 2, help="transformer blocks")
     p.add_argument("--n-head", type=int, default=8 if gpu else 4, help="attention heads")
     p.add_argument("--n-embd", type=int, default=512 if gpu else 64, help="model width")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
-    p.add_argument("--lr", type=float, default=1e-3 if gpu else 3e-3, help="peak AdamW learning rate (cosine decay to 10%%)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=1e-3 if gpu else 3e-3,
+        help="peak AdamW learning rate (cosine decay to 10%%)",
+    )
     p.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up")
-    p.add_argument("--max-bytes", type=int, default=12_000_000 if gpu else 4_000_000, help="how much of the standard library to read")
+    p.add_argument(
+        "--max-bytes",
+        type=int,
+        default=12_000_000 if gpu else 4_000_000,
+        help="how much of the standard library to read",
+    )
     p.add_argument("--val-windows", type=int, default=64, help="validation sequences")
     p.add_argument("--seed", type=int, default=1337, help="seed of the model init and the data order")
-    p.add_argument("--async-tp", action="store_true", help="collective matmuls over symmetric memory (GPUs of one NVLink domain)")
+    p.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="collective matmuls over symmetric memory (GPUs of one NVLink domain)",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile each block (RuntimeOptions.compile)")
-    p.add_argument("--regather", action="store_true",
-                   help="less memory: re-gather weights in backward, a block ahead, instead of keeping them (save_gathered=False)")
+    p.add_argument(
+        "--regather",
+        action="store_true",
+        help="less memory: re-gather weights in backward, a block ahead, instead of keeping them (save_gathered=False)",
+    )
     return p
 
 
@@ -198,8 +281,16 @@ def parse_args() -> argparse.Namespace:
     p = run_parser(__doc__.split("\n\n")[0], "runs/train_gpt")
     p.add_argument("--grid", default="auto", help="'auto' or px,py,pz, e.g. 2,2,2")
     p.add_argument("--data-parallel-size", default="auto", help="'auto' or an int")
-    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1), help="1: optimizer state sharded over dp (ZeRO-1)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds a rank waits for a dead or stalled peer")
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="1: optimizer state sharded over dp (ZeRO-1)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300, help="seconds a rank waits for a dead or stalled peer"
+    )
     p.add_argument("--sample-tokens", type=int, default=300, help="bytes generated from 'def ' at the end")
     return p.parse_args()
 
@@ -208,29 +299,57 @@ def newest_checkpoint(folder: Path) -> Path:
     """The newest complete checkpoint in ``folder`` (one cut short by a crash is passed over)."""
     found = latest_complete(folder)
     if found is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint in {folder}; run once without --resume first")
+        raise FileNotFoundError(
+            f"--resume: no complete checkpoint in {folder}; run once without --resume first"
+        )
     return found
 
 
 def main() -> None:
     args = parse_args()
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # Lightning 2.6 on torch >= 2.10
+    warnings.filterwarnings(
+        "ignore", message=r".*isinstance\(treespec, LeafSpec\)"
+    )  # Lightning 2.6 on torch >= 2.10
     pl.seed_everything(args.seed)
     out = Path(args.out)
     grid = args.grid if args.grid == "auto" else tuple(int(s) for s in args.grid.split(","))
     dp = args.data_parallel_size if args.data_parallel_size == "auto" else int(args.data_parallel_size)
-    strategy = Tensor3DStrategy(grid=grid, data_parallel_size=dp, zero_stage=args.zero_stage, timeout=args.timeout,
-                                async_tp=args.async_tp)
-    trainer = pl.Trainer(
-        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices, strategy=strategy,
-        precision=args.precision, max_steps=args.max_steps, limit_train_batches=args.steps_per_epoch,
-        max_epochs=-1, num_sanity_val_steps=-1, gradient_clip_val=1.0, log_every_n_steps=5,  # max_steps alone ends a run
-        logger=CSVLogger(out, name="logs"),
-        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
-                   TokensPerSecond(args.batch_size * args.seq_len)],
+    strategy = Tensor3DStrategy(
+        grid=grid,
+        data_parallel_size=dp,
+        zero_stage=args.zero_stage,
+        timeout=args.timeout,
+        async_tp=args.async_tp,
     )
-    model = ByteGPT(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.dropout, args.lr, args.warmup, args.max_steps,
-                    args.compile, args.regather)
+    trainer = pl.Trainer(
+        accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        devices=args.devices,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        limit_train_batches=args.steps_per_epoch,
+        max_epochs=-1,
+        num_sanity_val_steps=-1,
+        gradient_clip_val=1.0,
+        log_every_n_steps=5,  # max_steps alone ends a run
+        logger=CSVLogger(out, name="logs"),
+        callbacks=[
+            ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
+            TokensPerSecond(args.batch_size * args.seq_len),
+        ],
+    )
+    model = ByteGPT(
+        args.n_layer,
+        args.n_head,
+        args.n_embd,
+        args.seq_len,
+        args.dropout,
+        args.lr,
+        args.warmup,
+        args.max_steps,
+        args.compile,
+        args.regather,
+    )
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
     ckpt_path = newest_checkpoint(out / "checkpoints") if args.resume else None
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
@@ -238,11 +357,19 @@ def main() -> None:
     device = trainer.strategy.root_device
     model.model.to(device).eval()  # Lightning's teardown moved the module to the CPU
     prompt = torch.tensor([list(b"def ")], device=device)
-    sample = model.model.generate(prompt, args.sample_tokens, temperature=0.8, top_k=40)  # collective: every rank
+    sample = model.model.generate(
+        prompt, args.sample_tokens, temperature=0.8, top_k=40
+    )  # collective: every rank
     if trainer.is_global_zero:
-        start = f"untrained {model.untrained_val_loss:.3f}" if model.untrained_val_loss is not None else "(resumed)"
+        start = (
+            f"untrained {model.untrained_val_loss:.3f}"
+            if model.untrained_val_loss is not None
+            else "(resumed)"
+        )
         print(f"\nvalidation loss: {start} -> " + " -> ".join(f"{v:.3f}" for v in model.val_losses))
-        print(f"checkpoint: {trainer.checkpoint_callback.best_model_path or newest_checkpoint(out / 'checkpoints')}")
+        print(
+            f"checkpoint: {trainer.checkpoint_callback.best_model_path or newest_checkpoint(out / 'checkpoints')}"
+        )
         print("sample:\n" + bytes(sample[0].tolist()).decode("utf-8", errors="replace"))
 
 

@@ -25,7 +25,9 @@ from train_gpt import ByteGPT, CSVLogger, ModelCheckpoint, StdlibText, TokensPer
 try:
     import deepspeed  # noqa: F401
 except ImportError:
-    sys.exit('this example needs DeepSpeed: pip install -e ".[deepspeed]" in the repository (or pip install deepspeed)')
+    sys.exit(
+        'this example needs DeepSpeed: pip install -e ".[deepspeed]" in the repository (or pip install deepspeed)'
+    )
 
 from deepspeed_3d import (  # noqa: E402
     Tensor3DDeepSpeedStrategy,  # the class of whichever Lightning package is installed
@@ -36,23 +38,33 @@ HERE = Path(__file__).resolve().parent
 
 def parse_args() -> argparse.Namespace:
     p = run_parser(__doc__.split("\n\n")[0], "runs/train_gpt_deepspeed")
-    p.add_argument("--config", default=str(HERE / "ds_config.json"), help="DeepSpeed config with a \"tensor3d\" section "
-                   "(mixed precision needs ZeRO >= 1; the config has 1)")
+    p.add_argument(
+        "--config",
+        default=str(HERE / "ds_config.json"),
+        help='DeepSpeed config with a "tensor3d" section (mixed precision needs ZeRO >= 1; the config has 1)',
+    )
     p.add_argument("--grid", default=None, help="px,py,pz: overrides the config's tensor3d grid")
     return p.parse_args()
 
 
 def newest_checkpoint(folder: Path) -> Path:
     """The newest complete DeepSpeed checkpoint in ``folder``: DeepSpeed writes its ``latest`` file last."""
-    found = sorted((p for p in folder.glob("*.ckpt") if (p / "latest").is_file()), key=lambda p: (p / "latest").stat().st_mtime)
+    found = sorted(
+        (p for p in folder.glob("*.ckpt") if (p / "latest").is_file()),
+        key=lambda p: (p / "latest").stat().st_mtime,
+    )
     if not found:
-        raise FileNotFoundError(f"--resume: no complete checkpoint in {folder}; run once without --resume first")
+        raise FileNotFoundError(
+            f"--resume: no complete checkpoint in {folder}; run once without --resume first"
+        )
     return found[-1]
 
 
 def main() -> None:
     args = parse_args()
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")  # Lightning 2.6 on torch >= 2.10
+    warnings.filterwarnings(
+        "ignore", message=r".*isinstance\(treespec, LeafSpec\)"
+    )  # Lightning 2.6 on torch >= 2.10
     pl.seed_everything(args.seed)
     out = Path(args.out)
     config = json.loads(Path(args.config).read_text())
@@ -62,21 +74,47 @@ def main() -> None:
         config.setdefault("tensor3d", {})["async_tp"] = True
     strategy = Tensor3DDeepSpeedStrategy(config=config)
     trainer = pl.Trainer(
-        accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=args.devices, strategy=strategy,
-        precision=args.precision, max_steps=args.max_steps, limit_train_batches=args.steps_per_epoch,
-        max_epochs=-1, num_sanity_val_steps=-1, log_every_n_steps=5,  # max_steps alone ends a run; clipping is in the config
+        accelerator="gpu" if torch.cuda.is_available() else "cpu",
+        devices=args.devices,
+        strategy=strategy,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        limit_train_batches=args.steps_per_epoch,
+        max_epochs=-1,
+        num_sanity_val_steps=-1,
+        log_every_n_steps=5,  # max_steps alone ends a run; clipping is in the config
         logger=CSVLogger(out, name="logs"),
-        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
-                   TokensPerSecond(args.batch_size * args.seq_len)],
+        callbacks=[
+            ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
+            TokensPerSecond(args.batch_size * args.seq_len),
+        ],
     )
-    model = ByteGPT(args.n_layer, args.n_head, args.n_embd, args.seq_len, args.dropout, args.lr, args.warmup, args.max_steps,
-                    args.compile, args.regather)
+    model = ByteGPT(
+        args.n_layer,
+        args.n_head,
+        args.n_embd,
+        args.seq_len,
+        args.dropout,
+        args.lr,
+        args.warmup,
+        args.max_steps,
+        args.compile,
+        args.regather,
+    )
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
-    trainer.fit(model, datamodule=data, ckpt_path=newest_checkpoint(out / "checkpoints") if args.resume else None)
+    trainer.fit(
+        model, datamodule=data, ckpt_path=newest_checkpoint(out / "checkpoints") if args.resume else None
+    )
     if trainer.is_global_zero:
-        start = f"untrained {model.untrained_val_loss:.3f}" if model.untrained_val_loss is not None else "(resumed)"
+        start = (
+            f"untrained {model.untrained_val_loss:.3f}"
+            if model.untrained_val_loss is not None
+            else "(resumed)"
+        )
         print(f"\nvalidation loss: {start} -> " + " -> ".join(f"{v:.3f}" for v in model.val_losses))
-        print(f"checkpoint: {trainer.checkpoint_callback.best_model_path or newest_checkpoint(out / 'checkpoints')}")
+        print(
+            f"checkpoint: {trainer.checkpoint_callback.best_model_path or newest_checkpoint(out / 'checkpoints')}"
+        )
 
 
 if __name__ == "__main__":

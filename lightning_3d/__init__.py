@@ -3,7 +3,11 @@
 The core (grid, ops, layers) imports torch only; ``lightning_3d.strategy`` brings Lightning in.
 """
 
+from . import litgpt as _litgpt  # registers LitGPT's plan by class name (no litgpt import)
 from .grid import Grid, destroy_grid, get_grid, init_grid, set_grid
+from .hf import (
+    save_pretrained,
+)  # also registers the Hugging Face plans by class name (no transformers import)
 from .layers import (
     CrossEntropyLoss3D,
     Dropout3D,
@@ -17,8 +21,6 @@ from .layout import Layout, gather_activation, split_activation
 from .ops import WeightPrefetch, matmul_ab, matmul_abt, matmul_atb, vocab_parallel_cross_entropy
 from .options import RuntimeOptions
 from .parallel import Plan, dense_state_dict, load_dense_state_dict, parallelize
-from .hf import save_pretrained  # also registers the Hugging Face plans by class name (no transformers import)
-from . import litgpt as _litgpt  # registers LitGPT's plan by class name (no litgpt import)
 from .sharding import ShardSpec, get_spec
 
 __all__ = [

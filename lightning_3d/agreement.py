@@ -16,8 +16,10 @@ import torch.distributed as dist
 
 from . import comm
 
-SAME_BATCH = ("every rank of a cube must be given the same batch: shard the data over the dp group only "
-              "(grid.group('dp'), as Tensor3DStrategy's sampler does), never over the whole world")
+SAME_BATCH = (
+    "every rank of a cube must be given the same batch: shard the data over the dp group only "
+    "(grid.group('dp'), as Tensor3DStrategy's sampler does), never over the whole world"
+)
 
 
 def _device(group: dist.ProcessGroup) -> torch.device:
@@ -84,11 +86,15 @@ def _describe(tensors: Mapping[str, torch.Tensor]) -> dict[str, object]:
         out[f"{name} shape"] = tuple(t.shape)
         if not (t.is_floating_point() or t.is_complex()):
             flat = t.reshape(-1).long()
-            out[f"{name} checksum"] = int((flat * torch.arange(1, flat.numel() + 1, device=flat.device)).sum())
+            out[f"{name} checksum"] = int(
+                (flat * torch.arange(1, flat.numel() + 1, device=flat.device)).sum()
+            )
     return out
 
 
-def agree_on_first_call(owner: object, group: dist.ProcessGroup, what: str, **tensors: torch.Tensor | None) -> None:
+def agree_on_first_call(
+    owner: object, group: dist.ProcessGroup, what: str, **tensors: torch.Tensor | None
+) -> None:
     """On ``owner``'s first call with these ``tensors`` (None ones left out), :func:`agree` over
     ``group`` (a cube) on their shapes, and on the values of the integer ones; later calls cost nothing.
 

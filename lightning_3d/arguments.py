@@ -35,11 +35,15 @@ def grid_shape(value: object) -> tuple[int, int, int]:
         hint = ": strings are not parsed, pass a tuple" if isinstance(value, (str, bytes)) else ""
         raise ValueError(f"grid shape must be {GRID_FORM}; got {value!r} (a {_kind(value)}{hint})")
     if len(value) != 3:
-        raise ValueError(f"grid shape must be (px, py, pz), got {tuple(value)}: {len(value)} entries; pass {GRID_FORM}")
+        raise ValueError(
+            f"grid shape must be (px, py, pz), got {tuple(value)}: {len(value)} entries; pass {GRID_FORM}"
+        )
     shape = tuple(_as_int(v) for v in value)
     for axis, (raw, v) in zip("xyz", zip(value, shape)):
         if v is None:
-            raise ValueError(f"grid shape must be {GRID_FORM}; got {tuple(value)}: p{axis} = {raw!r} is a {_kind(raw)}")
+            raise ValueError(
+                f"grid shape must be {GRID_FORM}; got {tuple(value)}: p{axis} = {raw!r} is a {_kind(raw)}"
+            )
     if min(shape) < 1:
         raise ValueError(f"every grid axis must be >= 1, got (px, py, pz) = {shape}; pass {GRID_FORM}")
     return shape
@@ -65,10 +69,14 @@ def timeout(value: object) -> datetime.timedelta:
     fix = "pass e.g. timedelta(minutes=10) or 600 (seconds)"
     if isinstance(value, datetime.timedelta):
         if value <= datetime.timedelta(0):
-            raise ValueError(f"timeout must be positive, got {value!r}: every collective would fail at once; {fix}")
+            raise ValueError(
+                f"timeout must be positive, got {value!r}: every collective would fail at once; {fix}"
+            )
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"timeout must be a timedelta or a number of seconds, got {value!r} (a {_kind(value)}); {fix}")
+        raise ValueError(
+            f"timeout must be a timedelta or a number of seconds, got {value!r} (a {_kind(value)}); {fix}"
+        )
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {value!r}; {fix}")
     try:

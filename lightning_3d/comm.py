@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+
 # Private: the only way from a group's name (what a custom op can take) back to the group.
 from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -44,8 +45,9 @@ def all_gather_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = 
     return out, (work if async_op else DONE)
 
 
-def all_gather_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup,
-                             dtype: torch.dtype | None = None) -> tuple[list[torch.Tensor], object]:
+def all_gather_dim0_together(
+    ts: list[torch.Tensor], group: dist.ProcessGroup, dtype: torch.dtype | None = None
+) -> tuple[list[torch.Tensor], object]:
     """:func:`all_gather_dim0` of each of ``ts`` (cast to ``dtype``, default each one's own) over
     ``group``, asynchronously, as one collective; returns ``(outputs, handle)``.
 
@@ -103,10 +105,14 @@ class _AllOf:
 class _CopiedOut:
     """Handle of :func:`all_gather_dim0_together`'s gather: its outputs copied out of the gathered buffer."""
 
-    def __init__(self, work, flat: torch.Tensor, gathered: torch.Tensor, outs: list[torch.Tensor], sizes: list[int]):
+    def __init__(
+        self, work, flat: torch.Tensor, gathered: torch.Tensor, outs: list[torch.Tensor], sizes: list[int]
+    ):
         self._copy = (gathered, outs, sizes)
         self._work, self._done, self._device = work, None, gathered.device
-        if gathered.device.type == "cuda":  # flat, read by the gather, is not reused before this stream has waited for it
+        if (
+            gathered.device.type == "cuda"
+        ):  # flat, read by the gather, is not reused before this stream has waited for it
             with beside("gathered outputs", flat, gathered, *outs):
                 work.wait()  # the side stream waits for the gather; the host does not (unless TORCH_NCCL_BLOCKING_WAIT)
                 self._copy_out()
@@ -151,8 +157,9 @@ def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: boo
     return out, (work if async_op else DONE)
 
 
-def reduce_scatter_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGroup,
-                                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def reduce_scatter_dim0_together(
+    ts: list[torch.Tensor], group: dist.ProcessGroup, dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """:func:`reduce_scatter_dim0` of each of ``ts`` over ``group`` as one collective, on the caller's
     stream; each result ``[n_i, ...]`` in ``dtype`` (default its input's).
 
@@ -170,13 +177,18 @@ def reduce_scatter_dim0_together(ts: list[torch.Tensor], group: dist.ProcessGrou
     row = flat.new_empty(flat.shape[1])
     _reduce_scatter(row, flat.view(-1), group=group)
     row = row if dtype is None else row.to(dtype)
-    return [part.view((t.shape[0] // g,) + t.shape[1:]) for part, t in zip(row.split([t.numel() // g for t in ts]), ts)]
+    return [
+        part.view((t.shape[0] // g,) + t.shape[1:])
+        for part, t in zip(row.split([t.numel() // g for t in ts]), ts)
+    ]
 
 
 def _check_divides(t: torch.Tensor, g: int) -> None:
     """Raise ``ValueError`` unless ``t``'s dim 0 splits over ``g`` ranks."""
     if t.shape[0] % g:
-        raise ValueError(f"cannot reduce-scatter dim 0 of size {t.shape[0]} over {g} ranks: {t.shape[0]} % {g} != 0")
+        raise ValueError(
+            f"cannot reduce-scatter dim 0 of size {t.shape[0]} over {g} ranks: {t.shape[0]} % {g} != 0"
+        )
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):

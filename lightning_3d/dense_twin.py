@@ -27,8 +27,12 @@ from torch import nn
 
 def dense_shapes(module: nn.Module) -> dict[str, list[int]]:
     """Dense shapes declared by submodules (``dense_shapes`` attribute), under the module's state-dict keys."""
-    declared = {_key(prefix, k): list(shape) for prefix, sub in module.named_modules()
-                if isinstance(getattr(sub, "dense_shapes", None), dict) for k, shape in sub.dense_shapes.items()}
+    declared = {
+        _key(prefix, k): list(shape)
+        for prefix, sub in module.named_modules()
+        if isinstance(getattr(sub, "dense_shapes", None), dict)
+        for k, shape in sub.dense_shapes.items()
+    }
     return _under_state_dict_keys(module, declared)
 
 
@@ -36,7 +40,11 @@ def dense_transposed(module: nn.Module) -> list[str]:
     """The state-dict keys whose dense tensor is the transpose of the (``dense_shapes``-shaped) global
     one, as submodules declare them (``dense_transposed`` attribute: a weight the dense twin stores
     ``[in, out]``), under the module's state-dict keys."""
-    declared = {_key(prefix, k): True for prefix, sub in module.named_modules() for k in getattr(sub, "dense_transposed", ())}
+    declared = {
+        _key(prefix, k): True
+        for prefix, sub in module.named_modules()
+        for k in getattr(sub, "dense_transposed", ())
+    }
     return sorted(_under_state_dict_keys(module, declared))
 
 
@@ -44,8 +52,11 @@ def dense_row_orders(module: nn.Module) -> dict[str, list]:
     """``{key: [block, order]}``: the keys whose dense tensor holds the (``dense_shapes``-shaped) global
     one's rows in another order, as submodules declare them (``dense_row_order`` attribute, ``{name:
     (block, order)}``, see :func:`reorder_rows`), under the module's state-dict keys."""
-    declared = {_key(prefix, k): [block, list(order)] for prefix, sub in module.named_modules()
-                for k, (block, order) in getattr(sub, "dense_row_order", {}).items()}
+    declared = {
+        _key(prefix, k): [block, list(order)]
+        for prefix, sub in module.named_modules()
+        for k, (block, order) in getattr(sub, "dense_row_order", {}).items()
+    }
     return _under_state_dict_keys(module, declared)
 
 
@@ -59,9 +70,14 @@ def _under_state_dict_keys(module: nn.Module, declared: dict[str, object]) -> di
     Fabric's ``_FabricModule`` lists its model as ``_forward_module`` among its modules, not in its state dict)."""
     if not declared:
         return {}
-    named = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    named = {
+        **dict(module.named_parameters(remove_duplicate=False)),
+        **dict(module.named_buffers(remove_duplicate=False)),
+    }
     by_tensor = {id(named[name]): value for name, value in declared.items() if name in named}
-    return {key: by_tensor[id(t)] for key, t in module.state_dict(keep_vars=True).items() if id(t) in by_tensor}
+    return {
+        key: by_tensor[id(t)] for key, t in module.state_dict(keep_vars=True).items() if id(t) in by_tensor
+    }
 
 
 def reorder_rows(t: torch.Tensor, row_order: tuple[int, list[int]], inverse: bool = False) -> torch.Tensor:
@@ -76,8 +92,12 @@ def reorder_rows(t: torch.Tensor, row_order: tuple[int, list[int]], inverse: boo
     return t.unflatten(0, (-1, block))[index].flatten(0, 1)
 
 
-def global_to_dense(full: torch.Tensor, shape: list[int] | None = None, transposed: bool = False,
-                    row_order: tuple[int, list[int]] | None = None) -> torch.Tensor:
+def global_to_dense(
+    full: torch.Tensor,
+    shape: list[int] | None = None,
+    transposed: bool = False,
+    row_order: tuple[int, list[int]] | None = None,
+) -> torch.Tensor:
     """The dense twin's tensor of a global one: the leading rows that make up ``shape`` (drops padding;
     default: all of them), reshaped to ``shape``; then its rows in the dense twin's order where
     ``row_order`` is given (:func:`reorder_rows`); then, where ``transposed``, the 2-D result
@@ -86,15 +106,21 @@ def global_to_dense(full: torch.Tensor, shape: list[int] | None = None, transpos
         row = math.prod(full.shape[1:])
         need = math.prod(shape)
         if need % row or need // row > full.shape[0]:
-            raise ValueError(f"cannot make a dense tensor of shape {shape} from a global tensor of shape {list(full.shape)}")
+            raise ValueError(
+                f"cannot make a dense tensor of shape {shape} from a global tensor of shape {list(full.shape)}"
+            )
         full = full[: need // row].reshape(shape)
     if row_order is not None:
         full = reorder_rows(full, row_order)
     return full.t().contiguous() if transposed else full
 
 
-def dense_to_global(dense: torch.Tensor, global_shape: tuple[int, ...], transposed: bool = False,
-                    row_order: tuple[int, list[int]] | None = None) -> torch.Tensor:
+def dense_to_global(
+    dense: torch.Tensor,
+    global_shape: tuple[int, ...],
+    transposed: bool = False,
+    row_order: tuple[int, list[int]] | None = None,
+) -> torch.Tensor:
     """The global tensor whose leading elements are ``dense`` (row-major; first transposed where
     ``transposed``: a 2-D weight stored ``[in, out]``; then its rows put back in the global order where
     the dense twin orders them by ``row_order``), zeros after them: :func:`global_to_dense` inverted."""
@@ -102,5 +128,7 @@ def dense_to_global(dense: torch.Tensor, global_shape: tuple[int, ...], transpos
     flat = (dense if row_order is None else reorder_rows(dense, row_order, inverse=True)).reshape(-1)
     pad = math.prod(global_shape) - flat.numel()
     if pad < 0:
-        raise ValueError(f"a dense tensor of shape {list(dense.shape)} does not fit the global shape {list(global_shape)}")
+        raise ValueError(
+            f"a dense tensor of shape {list(dense.shape)} does not fit the global shape {list(global_shape)}"
+        )
     return (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).reshape(global_shape)

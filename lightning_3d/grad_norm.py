@@ -52,7 +52,11 @@ def _local_norm(grads: list[torch.Tensor], norm_type: float, dtype: torch.dtype)
     accumulated in ``dtype`` (a bf16 norm per tensor would round each to 8 bits)."""
     exact = [g for g in grads if g.dtype in (torch.float32, torch.float64)]
     norms = [torch.nn.utils.get_total_norm(exact, norm_type).to(dtype)] if exact else []
-    norms += [torch.linalg.vector_norm(g, norm_type, dtype=dtype) for g in grads if g.dtype not in (torch.float32, torch.float64)]
+    norms += [
+        torch.linalg.vector_norm(g, norm_type, dtype=dtype)
+        for g in grads
+        if g.dtype not in (torch.float32, torch.float64)
+    ]
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
 
 
@@ -84,7 +88,11 @@ def grad_norm(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-    local = _local_norm(counted, norm_type, dtype).to(device) if counted else torch.zeros((), dtype=dtype, device=device)
+    local = (
+        _local_norm(counted, norm_type, dtype).to(device)
+        if counted
+        else torch.zeros((), dtype=dtype, device=device)
+    )
     if math.isinf(norm_type):
         total, _ = comm.all_reduce(local, group, op=dist.ReduceOp.MAX)
         return total
@@ -109,7 +117,11 @@ def clip_grad_norm_(
     params = _unique_with_grad(params)
     total = grad_norm(params, grid, norm_type, group)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
-                           "set error_if_nonfinite=False to clip anyway")
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)  # scaled by one foreach kernel per device and dtype
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
+            "set error_if_nonfinite=False to clip anyway"
+        )
+    torch.nn.utils.clip_grads_with_norm_(
+        params, max_norm, total
+    )  # scaled by one foreach kernel per device and dtype
     return total

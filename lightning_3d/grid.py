@@ -39,7 +39,9 @@ def normalize_axes(axes: str) -> str:
     if axes == "cube":
         return "xyz"
     if not axes or any(a not in CUBE_AXES for a in axes) or len(set(axes)) != len(axes):
-        raise ValueError(f"unknown grid axes {axes!r}; use 'x', 'y', 'z', 'dp', a plane such as 'xz', or 'cube'")
+        raise ValueError(
+            f"unknown grid axes {axes!r}; use 'x', 'y', 'z', 'dp', a plane such as 'xz', or 'cube'"
+        )
     return "".join(a for a in CUBE_AXES if a in axes)
 
 
@@ -95,7 +97,9 @@ class Grid:
     def group(self, axes: str) -> dist.ProcessGroup:
         """The process group of the ranks that differ from this one only along ``axes``."""
         if not self._groups:
-            raise RuntimeError(f"{self!r}: its process groups were destroyed by destroy_grid; build another grid with init_grid")
+            raise RuntimeError(
+                f"{self!r}: its process groups were destroyed by destroy_grid; build another grid with init_grid"
+            )
         return self._groups[normalize_axes(axes)]
 
     def cube_coords(self, cube_rank: int) -> tuple[int, int, int]:
@@ -141,7 +145,7 @@ def axes_across_nodes(mesh_shape: tuple[int, int, int, int], nodes: list) -> tup
     ranks laid out as :func:`init_grid` lays them; ``nodes[r]`` names the node of global rank ``r``."""
     out = []
     for d, axis in enumerate(MESH_AXES):
-        size, stride = mesh_shape[d], math.prod(mesh_shape[d + 1:])
+        size, stride = mesh_shape[d], math.prod(mesh_shape[d + 1 :])
         firsts = (r for r in range(len(nodes)) if (r // stride) % size == 0)  # coordinate 0 on this axis
         if any(nodes[r + k * stride] != nodes[r] for r in firsts for k in range(1, size)):
             out.append(axis)
@@ -163,7 +167,10 @@ def _backend_options(backend: str, timeout: datetime.timedelta | None):
     """Process-group options that carry ``timeout`` for the mesh's groups, or None."""
     if timeout is None:
         return None
-    cls = {"gloo": getattr(dist, "ProcessGroupGloo", None), "nccl": getattr(dist, "ProcessGroupNCCL", None)}.get(backend)
+    cls = {
+        "gloo": getattr(dist, "ProcessGroupGloo", None),
+        "nccl": getattr(dist, "ProcessGroupNCCL", None),
+    }.get(backend)
     if cls is None:
         return None
     opts = cls._Options() if backend == "gloo" else cls.Options()
@@ -197,13 +204,21 @@ def init_grid(
     """
     global _current
     if not dist.is_initialized():
-        raise RuntimeError("init_grid needs an initialised default process group: call torch.distributed.init_process_group first")
+        raise RuntimeError(
+            "init_grid needs an initialised default process group: call torch.distributed.init_process_group first"
+        )
     world = dist.get_world_size()
-    given = {"shape": tuple(shape) if isinstance(shape, (list, tuple)) else shape, "data_parallel_size": data_parallel_size,
-             "device_type": device_type, "timeout": timeout}
+    given = {
+        "shape": tuple(shape) if isinstance(shape, (list, tuple)) else shape,
+        "data_parallel_size": data_parallel_size,
+        "device_type": device_type,
+        "timeout": timeout,
+    }
     # Agree before checking: a check that failed on some ranks only would leave the others waiting.
     seen = exchange({**given, "node": node_name()}, dist.group.WORLD)
-    require_equal(seen, given, list(range(world)), "init_grid", "every rank must call init_grid with the same arguments")
+    require_equal(
+        seen, given, list(range(world)), "init_grid", "every rank must call init_grid with the same arguments"
+    )
     nodes = [s["node"] for s in seen]
     shape, dp = _check_shape(shape, world, data_parallel_size)
     timeout = arguments.timeout(timeout) if timeout is not None else _default_timeout()
@@ -213,7 +228,12 @@ def init_grid(
     mesh_shape = (dp,) + shape
     opts = _backend_options(backend, timeout)
     override = {name: (backend, opts) for name in MESH_AXES} if opts is not None else None
-    mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=MESH_AXES, **({"backend_override": override} if override else {}))
+    mesh = init_device_mesh(
+        device_type,
+        mesh_shape,
+        mesh_dim_names=MESH_AXES,
+        **({"backend_override": override} if override else {}),
+    )
     groups = {name: mesh.get_group(name) for name in MESH_AXES}
     ranks = torch.arange(world).reshape(mesh_shape)
     for n in (2, 3):
@@ -226,8 +246,15 @@ def init_grid(
             members = ranks.permute(rest + dims).reshape(-1, group_size)
             groups["".join(axes)], _ = dist.new_subgroups_by_enumeration(members.tolist(), timeout=timeout)
     coords = tuple(int(c) for c in mesh.get_coordinate())
-    _current = Grid(shape=shape, data_parallel_size=dp, coords=coords, mesh=mesh, timeout=timeout, _groups=groups,
-                    axes_across_nodes=axes_across_nodes(mesh_shape, nodes))
+    _current = Grid(
+        shape=shape,
+        data_parallel_size=dp,
+        coords=coords,
+        mesh=mesh,
+        timeout=timeout,
+        _groups=groups,
+        axes_across_nodes=axes_across_nodes(mesh_shape, nodes),
+    )
     return _current
 
 
@@ -241,7 +268,11 @@ def destroy_grid(grid: Grid) -> None:
     layer built on it, refuses to run a collective; it is no longer the current grid.
     """
     global _current
-    unique = {id(g): g for g in grid._groups.values() if g not in (None, dist.GroupMember.NON_GROUP_MEMBER, dist.GroupMember.WORLD)}
+    unique = {
+        id(g): g
+        for g in grid._groups.values()
+        if g not in (None, dist.GroupMember.NON_GROUP_MEMBER, dist.GroupMember.WORLD)
+    }
     for group in unique.values():
         dist.destroy_process_group(group)
     grid._groups.clear()
@@ -252,7 +283,9 @@ def destroy_grid(grid: Grid) -> None:
 def get_grid() -> Grid:
     """The grid made current by the last :func:`init_grid`."""
     if _current is None:
-        raise RuntimeError("no grid: call lightning_3d.init_grid(shape=(px, py, pz)) first, or pass grid= to the layer")
+        raise RuntimeError(
+            "no grid: call lightning_3d.init_grid(shape=(px, py, pz)) first, or pass grid= to the layer"
+        )
     return _current
 
 

@@ -86,7 +86,9 @@ class _Gather(torch.autograd.Function):
         return shard_tensor(grad, ctx.spec, ctx.grid).contiguous(), None, None
 
 
-def split_activation(full: torch.Tensor, layout: str | Layout = "z", grid: Grid | None = None) -> torch.Tensor:
+def split_activation(
+    full: torch.Tensor, layout: str | Layout = "z", grid: Grid | None = None
+) -> torch.Tensor:
     """This rank's block of a full activation ``[batch, ..., features]`` (the same on every cube rank).
 
     Differentiable: the gradient of ``full`` is the full gradient, on every cube rank. The first
@@ -99,7 +101,9 @@ def split_activation(full: torch.Tensor, layout: str | Layout = "z", grid: Grid 
     return _Split.apply(full, spec, grid)
 
 
-def gather_activation(local: torch.Tensor, layout: str | Layout = "z", grid: Grid | None = None) -> torch.Tensor:
+def gather_activation(
+    local: torch.Tensor, layout: str | Layout = "z", grid: Grid | None = None
+) -> torch.Tensor:
     """The full activation ``[batch, ..., features]`` on every cube rank, from each rank's block."""
     grid = resolve_grid(grid)
     agree_on_first_call(grid, grid.group("cube"), "gather_activation input", local=local)
@@ -131,4 +135,3 @@ def check_local_activation(x: torch.Tensor, layout: Layout, features: int, grid:
             f"{who}: global batch {batch} must be divisible by px·py = {px * py} and px·pz = {px * pz} on grid {grid.shape}; "
             f"use a batch that is a multiple of {math.lcm(px * py, px * pz)}"
         )
-

@@ -71,8 +71,10 @@ class RuntimeOptions:
 
     def __setattr__(self, name: str, value) -> None:
         if self.__dict__.get("_fixed"):
-            raise AttributeError(f"a model's RuntimeOptions are fixed: lightning_3d.parallel.set_options(model, {name}={value!r}) "
-                                 "applies a change to every 3-D layer of the model")
+            raise AttributeError(
+                f"a model's RuntimeOptions are fixed: lightning_3d.parallel.set_options(model, {name}={value!r}) "
+                "applies a change to every 3-D layer of the model"
+            )
         super().__setattr__(name, value)
 
     def fix(self) -> RuntimeOptions:

@@ -35,7 +35,9 @@ class ShardSpec:
 
     def __post_init__(self):
         if len(self.dims) != len(self.global_shape):
-            raise ValueError(f"ShardSpec needs one axes tuple per dim: shape {self.global_shape}, dims {self.dims}")
+            raise ValueError(
+                f"ShardSpec needs one axes tuple per dim: shape {self.global_shape}, dims {self.dims}"
+            )
         used = [a for axes in self.dims for a in axes]
         if len(used) != len(set(used)) or any(a not in CUBE_AXES for a in used):
             raise ValueError(f"each of {CUBE_AXES} may cut at most one dim, got {self.dims}")
@@ -69,7 +71,10 @@ class ShardSpec:
         """The slice of the global tensor held at ``coords`` (default: this rank)."""
         coords = coords if coords is not None else grid.coords[1:]
         shape = self.local_shape(grid)
-        return tuple(slice(self.block_index(grid, coords, d) * n, (self.block_index(grid, coords, d) + 1) * n) for d, n in enumerate(shape))
+        return tuple(
+            slice(self.block_index(grid, coords, d) * n, (self.block_index(grid, coords, d) + 1) * n)
+            for d, n in enumerate(shape)
+        )
 
     def is_representative(self, grid: Grid, coords: tuple[int, int, int] | None = None) -> bool:
         """True on exactly one rank of each set of replicas inside a cube: coordinate 0 on every replicating axis."""
@@ -92,7 +97,9 @@ def _parts(grid: Grid, axes: tuple[str, ...]) -> int:
 def shard_tensor(full: torch.Tensor, spec: ShardSpec, grid: Grid) -> torch.Tensor:
     """This rank's shard of ``full`` (a view; no communication)."""
     if tuple(full.shape) != spec.global_shape:
-        raise ValueError(f"expected a global tensor of shape {list(spec.global_shape)}, got {list(full.shape)}")
+        raise ValueError(
+            f"expected a global tensor of shape {list(spec.global_shape)}, got {list(full.shape)}"
+        )
     return full[spec.local_slices(grid)]
 
 

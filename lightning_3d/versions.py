@@ -24,8 +24,14 @@ MINIMUMS = {
 }
 
 # distribution name → the module whose __version__ is the installed version
-_MODULES = {"torch": "torch", "lightning": "lightning", "pytorch-lightning": "pytorch_lightning",
-            "lightning-fabric": "lightning_fabric", "deepspeed": "deepspeed", "transformers": "transformers"}
+_MODULES = {
+    "torch": "torch",
+    "lightning": "lightning",
+    "pytorch-lightning": "pytorch_lightning",
+    "lightning-fabric": "lightning_fabric",
+    "deepspeed": "deepspeed",
+    "transformers": "transformers",
+}
 
 
 def unsupported(package: str, installed: str) -> str | None:
@@ -35,8 +41,10 @@ def unsupported(package: str, installed: str) -> str | None:
     minimum = MINIMUMS[package]
     if Version(installed) >= Version(minimum):
         return None
-    return (f"{package} {installed} is installed; lightning-3d supports {package}>={minimum}: "
-            f'pip install "{package}>={minimum}"')
+    return (
+        f"{package} {installed} is installed; lightning-3d supports {package}>={minimum}: "
+        f'pip install "{package}>={minimum}"'
+    )
 
 
 def require(package: str) -> None:

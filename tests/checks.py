@@ -5,9 +5,9 @@ from __future__ import annotations
 import glob
 import os
 
+import harness
 import torch
 
-import harness
 from lightning_3d.layout import as_layout
 from lightning_3d.sharding import ShardSpec, get_spec, shard_tensor
 
@@ -46,7 +46,10 @@ def compare_module(mod3d, dense, x_full, in_layout, out_layout, grid, seed) -> d
     (y_ref * w).sum().backward()
     y = mod3d(x)
     (y * local(w, out_layout, grid)).sum().backward()
-    errs = {"out": rel(y, local(y_ref, out_layout, grid)), "dx": rel(x.grad, local(x_full.grad, in_layout, grid))}
+    errs = {
+        "out": rel(y, local(y_ref, out_layout, grid)),
+        "dx": rel(x.grad, local(x_full.grad, in_layout, grid)),
+    }
     dense_params = dict(dense.named_parameters())
     for name, p in mod3d.named_parameters():
         ref = dense_params[name].grad
@@ -62,7 +65,13 @@ def on_grids(grids, job, *args) -> dict:
 
 def assert_close(results: list, tol: float = TOL) -> None:
     """Per-rank {grid: {what: err}} → assert every error below ``tol``."""
-    bad = [(rank, g, k, e) for rank, r in enumerate(results) for g, errs in r.items() for k, e in errs.items() if not e < tol]
+    bad = [
+        (rank, g, k, e)
+        for rank, r in enumerate(results)
+        for g, errs in r.items()
+        for k, e in errs.items()
+        if not e < tol
+    ]
     assert not bad, f"errors above {tol}: {bad[:10]}"
 
 
@@ -82,11 +91,27 @@ def sums_replicas(modules, grid) -> bool:
     from lightning_3d.layers.base import Module3D
     from lightning_3d.sharding import replicated_grad_axes
 
-    return any(replicated_grad_axes(get_spec(p), grid, summed)
-               for m in modules if isinstance(m, Module3D) for p, summed in m.replicated_parameters())
+    return any(
+        replicated_grad_axes(get_spec(p), grid, summed)
+        for m in modules
+        if isinstance(m, Module3D)
+        for p, summed in m.replicated_parameters()
+    )
 
 
-__all__ = ["GRIDS_8", "ShardSpec", "TOL", "assert_close", "compare_module", "local", "nodes_named", "on_grids", "rel", "seed_for", "sums_replicas"]
+__all__ = [
+    "GRIDS_8",
+    "ShardSpec",
+    "TOL",
+    "assert_close",
+    "compare_module",
+    "local",
+    "nodes_named",
+    "on_grids",
+    "rel",
+    "seed_for",
+    "sums_replicas",
+]
 
 
 def value_error(fn) -> str:
@@ -100,4 +125,6 @@ def value_error(fn) -> str:
 
 def gloo_threads() -> int:
     """This process's gloo transport threads: one per gloo process group it belongs to, each waking every 10 ms."""
-    return sum(open(f).read().strip() == "gloo_tcp_loop" for f in glob.glob(f"/proc/{os.getpid()}/task/*/comm"))
+    return sum(
+        open(f).read().strip() == "gloo_tcp_loop" for f in glob.glob(f"/proc/{os.getpid()}/task/*/comm")
+    )

@@ -25,7 +25,9 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 JOB_TIMEOUT = 240.0
 
-KEPT_GRIDS = 2  # a job may use two grids at once (resharding); each kept gloo group's thread wakes every 10 ms
+KEPT_GRIDS = (
+    2  # a job may use two grids at once (resharding); each kept gloo group's thread wakes every 10 ms
+)
 
 _grids: dict = {}  # (shape, dp) → Grid, least recently asked first
 
@@ -43,7 +45,11 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
     )
     while True:
         task = tasks.get()
@@ -56,7 +62,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         except BaseException:  # report every failure to the driver, with its traceback
             results.put((rank, False, traceback.format_exc()))
         kept = {id(g) for grid in _grids.values() for g in grid._groups.values()}
-        for group in _live_groups() - before:  # left by the job (its own grids, DeepSpeed's, ...): every rank alike
+        for group in (
+            _live_groups() - before
+        ):  # left by the job (its own grids, DeepSpeed's, ...): every rank alike
             if id(group) not in kept:
                 dist.destroy_process_group(group)
         gc.collect()  # a destroyed group's backend, and its thread, go with its last reference, often in a cycle
@@ -109,13 +117,17 @@ class Pool:
                 rank, ok, value = self.results.get(timeout=timeout)
             except queue.Empty:
                 self.close()
-                raise TimeoutError(f"{fn.__name__}: not every rank answered within {timeout:.0f}s (a hang); reports: {errors}")
+                raise TimeoutError(
+                    f"{fn.__name__}: not every rank answered within {timeout:.0f}s (a hang); reports: {errors}"
+                )
             if ok:
                 out[rank] = value
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
                 if len(errors) == 1:
-                    timeout = COLLECTIVE_TIMEOUT.total_seconds() + 30  # the others fail by their collective timeout
+                    timeout = (
+                        COLLECTIVE_TIMEOUT.total_seconds() + 30
+                    )  # the others fail by their collective timeout
         if errors:
             self.close()
             raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))

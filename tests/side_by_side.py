@@ -21,7 +21,10 @@ def run_side_by_side(commands: dict[str, dict], timeout: float) -> dict[str, Fin
     """``{name: Popen keyword arguments (args, env, cwd, ...)}`` → ``{name: Finished}``, output as text;
     every process still running at ``timeout`` is killed and the call raises ``TimeoutError``."""
     outs = {name: (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for name in commands}
-    procs = {name: subprocess.Popen(text=True, stdout=outs[name][0], stderr=outs[name][1], **kw) for name, kw in commands.items()}
+    procs = {
+        name: subprocess.Popen(text=True, stdout=outs[name][0], stderr=outs[name][1], **kw)
+        for name, kw in commands.items()
+    }
     deadline, ended = time.monotonic() + timeout, {}
     try:
         while len(ended) < len(procs) and time.monotonic() < deadline:
@@ -42,4 +45,7 @@ def run_side_by_side(commands: dict[str, dict], timeout: float) -> dict[str, Fin
             f.seek(0)
             return f.read()
 
-    return {name: Finished(proc.returncode, text(outs[name][0]), text(outs[name][1]), ended[name]) for name, proc in procs.items()}
+    return {
+        name: Finished(proc.returncode, text(outs[name][0]), text(outs[name][1]), ended[name])
+        for name, proc in procs.items()
+    }

@@ -29,7 +29,7 @@ from lightning_3d import Linear3D
 from lightning_3d import checkpoint as ckpt
 from lightning_3d.checkpoint import CheckpointError
 from lightning_3d.checkpoint.manifest import file_entry
-from lightning_3d.models import GPT3D, DenseGPT, GPTConfig, dense_gpt
+from lightning_3d.models import GPT3D, GPTConfig, dense_gpt
 
 GRID = (2, 2, 1)
 
@@ -76,8 +76,13 @@ def save_job(path: str, seed: int = 0) -> dict:
     harness.grid(GRID)
     torch.manual_seed(seed)
     holder = Holder(config())
-    ckpt.save(path, {ckpt.MODEL_KEY: ckpt.model_state(holder, holder.model.grid)}, holder.model.grid, holder,
-              meta={"epoch": 3, "hyper_parameters": {"lr": 0.1}})
+    ckpt.save(
+        path,
+        {ckpt.MODEL_KEY: ckpt.model_state(holder, holder.model.grid)},
+        holder.model.grid,
+        holder,
+        meta={"epoch": 3, "hyper_parameters": {"lr": 0.1}},
+    )
     return holder.model.dense_state_dict()
 
 
@@ -125,11 +130,18 @@ def optimizer_job(path: str, save: bool) -> str:
             p.grad = torch.ones_like(p)
         optimizer.step()
         state = ckpt.optimizer_state(optimizer, names, grid)["state"]
-        ckpt.save(path, {ckpt.MODEL_KEY: ckpt.model_state(holder, grid), ckpt.optimizer_key(0): {"state": state}}, grid, holder)
+        ckpt.save(
+            path,
+            {ckpt.MODEL_KEY: ckpt.model_state(holder, grid), ckpt.optimizer_key(0): {"state": state}},
+            grid,
+            holder,
+        )
         return "saved"
     try:
         ckpt.load_model_(holder, grid, path)
-        ckpt.load_optimizer_(optimizer, 0, names, grid, path, ckpt.optimizer_state(optimizer, names, grid)["param_groups"])
+        ckpt.load_optimizer_(
+            optimizer, 0, names, grid, path, ckpt.optimizer_state(optimizer, names, grid)["param_groups"]
+        )
     except CheckpointError as e:
         return str(e)
     every = len(optimizer.state) == len(names)
@@ -178,7 +190,11 @@ def extra_state_job(path: str, save: bool):
     model = WithExtraState(grid)
     if not save:
         ckpt.load_model_(model, grid, path)
-        return {"stats": model.tally.stats, "scale": model.scale.scale.tolist(), "weight": model.proj.dense_state_dict()}
+        return {
+            "stats": model.tally.stats,
+            "scale": model.scale.scale.tolist(),
+            "weight": model.proj.dense_state_dict(),
+        }
     model.tally.stats = {"seen": 7, "tags": ["x", "y"], "rate": 0.25, "last": None}
     model.scale.scale = torch.tensor([1.0, 2.0, 3.0])
     ckpt.save(path, {ckpt.MODEL_KEY: ckpt.model_state(model, grid)}, grid, model)
@@ -210,8 +226,13 @@ def killed_rank_world(rank: int, port: int, path: str, old: str) -> None:
     from lightning_3d import init_grid
     from lightning_3d.checkpoint import store
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
     grid = init_grid((2, 1, 1))
     holder = Holder(config())
     state = lambda: {ckpt.MODEL_KEY: ckpt.model_state(holder, grid)}  # noqa: E731
@@ -326,11 +347,15 @@ def test_payload_in_a_distcp_bytes_entry_runs_nothing(tmp_path):
     """DCP unpickles a non-tensor entry with ``weights_only=False``: the planner reads it weights-only first."""
     path, marker = tmp_path / "optimizer.ckpt", tmp_path / "ran"
     harness.run(4, optimizer_job, str(path), True)
-    assert harness.run(4, optimizer_job, str(path), False) == ["loaded steps [1] for every parameter"] * 4  # as written
+    assert (
+        harness.run(4, optimizer_job, str(path), False) == ["loaded steps [1] for every parameter"] * 4
+    )  # as written
     entry = "optimizer_0.state.model.transformer.h.0.attn.c_attn.weight.steps"
     shard = plant_entry(path, entry, marker)
     assert shard.endswith(".distcp"), shard
-    for r in harness.run(4, optimizer_job, str(path), False):  # a CheckpointError, not DCP's CheckpointException
+    for r in harness.run(
+        4, optimizer_job, str(path), False
+    ):  # a CheckpointError, not DCP's CheckpointException
         assert f"cannot load {path}: ranks 0-3: refusing to read the entry {entry!r} in {shard}" in r, r
         assert "GLOBAL exec" in r and "add_safe_globals" in r and r.count("refusing") == 1, r
     assert not marker.exists(), "loading the checkpoint ran the code planted in a .distcp entry"
@@ -350,7 +375,9 @@ def test_a_dcp_failure_is_a_checkpoint_error_and_ctrl_c_stays_itself(tmp_path, m
     shard = plant_entry(path, "note", marker)
     with pytest.warns(UserWarning), pytest.raises(CheckpointError) as e:
         untrusted.load_dcp({"w": torch.empty(2), "note": ""}, path, no_dist=True)
-    assert str(e.value).startswith(f"cannot load {path}: rank 0: refusing to read the entry 'note' in {shard}"), e.value
+    assert str(e.value).startswith(
+        f"cannot load {path}: rank 0: refusing to read the entry 'note' in {shard}"
+    ), e.value
     assert not marker.exists(), "loading ran the planted code"
 
     def interrupted(self, read_item, value):
@@ -369,7 +396,10 @@ def test_extra_state_round_trips_across_grids_and_only_as_plain_data(tmp_path):
     saved = harness.run(2, extra_state_job, str(path), True)
     for r in saved:
         for message in r["refused"]:
-            assert message.startswith("tally._extra_state: Tally.get_extra_state() returned") and "plain JSON data" in message, message
+            assert (
+                message.startswith("tally._extra_state: Tally.get_extra_state() returned")
+                and "plain JSON data" in message
+            ), message
     loaded = harness.run(2, extra_state_job, str(path), False)
     for r in loaded:
         assert r["stats"] == {"seen": 7, "tags": ["x", "y"], "rate": 0.25, "last": None}, r["stats"]
@@ -408,7 +438,11 @@ def test_damaged_files_are_named(saved, tmp_path):
     (truncated / shard).write_bytes((truncated / shard).read_bytes()[:-100])
     missing = copy_of(saved[0], tmp_path, "missing.ckpt")
     (missing / "rng" / "2.json").unlink()
-    for path, words in [(altered, [shard, "SHA-256"]), (truncated, [shard, "bytes"]), (missing, ["rng/2.json", "missing"])]:
+    for path, words in [
+        (altered, [shard, "SHA-256"]),
+        (truncated, [shard, "bytes"]),
+        (missing, ["rng/2.json", "missing"]),
+    ]:
         with pytest.raises(CheckpointError) as e:
             ckpt.to_dense(path)
         assert all(w in str(e.value) for w in words), (path.name, str(e.value))
@@ -422,8 +456,12 @@ def test_files_the_manifest_does_not_list_are_refused(saved, tmp_path):
     for name in ("layout.json", "meta.pt", ".metadata"):
         unlisted[name] = copy_of(saved[0], tmp_path, f"unlisted{name}")
         relist(unlisted[name], [name], drop=True)
-    for name, read in [("layout.json", ckpt.read_record), ("layout.json", ckpt.to_dense), ("meta.pt", ckpt.load_meta),
-                       (".metadata", ckpt.to_dense)]:
+    for name, read in [
+        ("layout.json", ckpt.read_record),
+        ("layout.json", ckpt.to_dense),
+        ("meta.pt", ckpt.load_meta),
+        (".metadata", ckpt.to_dense),
+    ]:
         with pytest.raises(CheckpointError, match=f"{name} is not listed in the manifest"):
             read(unlisted[name])
     for r in harness.run(4, load_job, str(unlisted["layout.json"])):
@@ -439,7 +477,9 @@ def test_a_failed_rank_leaves_the_previous_checkpoint(tmp_path):
     assert_equal(ckpt.to_dense(last), first, "last.ckpt after a failed overwrite")
     second = harness.run(4, save_job, str(last), 5)[0]
     assert_equal(ckpt.to_dense(last), second, "last.ckpt after an overwrite")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"], "a staging or old directory was left behind"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"], (
+        "a staging or old directory was left behind"
+    )
     assert ckpt.latest_complete(tmp_path) == last
 
 
@@ -494,22 +534,36 @@ def test_lightning_refuses_another_model_and_exports_without_prefix(tmp_path):
     """fit/validate(ckpt_path=) of a vocab-60, 2-layer checkpoint into vocab 62 or 1 layer; "last"; to-dense."""
     script = Path(__file__).parent / "lightning_scripts" / "other_model.py"
     root = Path(__file__).parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+    }
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=240
+    )
     assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
     record = json.loads((tmp_path / "other_model.json").read_text())
     for fn in ("validate", "fit"):
         vocab = record["errors"][f"{fn} vocab 62 layers 2"]
-        assert vocab and "checkpoint holds model.transformer.wte.weight [60, 16]; this model has [62, 16]" in vocab, vocab
+        assert (
+            vocab
+            and "checkpoint holds model.transformer.wte.weight [60, 16]; this model has [62, 16]" in vocab
+        ), vocab
         layers = record["errors"][f"{fn} vocab 60 layers 1"]
         assert layers and "model.transformer.h.1." in layers and "which this model lacks" in layers, layers
-    assert record["steps_after_resume"] == 2, "fit(ckpt_path='last') did not resume after the first epoch's 2 steps"
+    assert record["steps_after_resume"] == 2, (
+        "fit(ckpt_path='last') did not resume after the first epoch's 2 steps"
+    )
     out = tmp_path / "dense.safetensors"
     ckpt.main(["to-dense", str(tmp_path / "first.ckpt"), str(out)])
     model = dense_gpt(out)
     assert model.config == GPTConfig(vocab_size=60, block_size=8, n_layer=2, n_head=2, n_embd=16)
-    assert_equal(model.state_dict(), torch.load(tmp_path / "dense_state.pt"), "DenseGPT from a Lightning checkpoint's export")
+    assert_equal(
+        model.state_dict(),
+        torch.load(tmp_path / "dense_state.pt"),
+        "DenseGPT from a Lightning checkpoint's export",
+    )
 
 
 def test_meta_holds_a_model_config_only_where_the_caller_allows_it(tmp_path):

@@ -12,14 +12,14 @@ fails unless graphs were really compiled, none broke, and none fell back to eage
 recompile limit.
 """
 
-import torch
-
 import harness
+import torch
 from checks import assert_close, on_grids, rel
+from test_gpt import STYLES, batch, config, equivalence, pair
+
 from lightning_3d.options import RuntimeOptions
 from lightning_3d.parallel import runtime_of, set_options
 from lightning_3d.sharding import get_spec, unshard_tensor
-from test_gpt import STYLES, batch, config, equivalence, pair
 
 
 def _compiled(errs: dict, breaks_allowed: bool) -> dict:
@@ -51,7 +51,9 @@ def compiled_job(grid):
     for style in STYLES:
         _fresh_compiler()
         with torch._dynamo.config.patch(recompile_limit=2):
-            errs.update(_compiled(equivalence(grid, style, RuntimeOptions(compile=True)), breaks_allowed=False))
+            errs.update(
+                _compiled(equivalence(grid, style, RuntimeOptions(compile=True)), breaks_allowed=False)
+            )
     return {f"compiled_{k}": e for k, e in errs.items()}
 
 
@@ -60,13 +62,17 @@ def compiled_options_job(grid):
     operands, collective matmuls, weight gradients handed on at the end of backward) against
     DenseGPT; every weight its forward gathered through the prefetch is re-gathered through it in
     backward (the custom ops see their weights as parameters)."""
-    options = RuntimeOptions(compile=True, prefetch=True, save_gathered=False, async_tp=True, grads_at_end=True)
+    options = RuntimeOptions(
+        compile=True, prefetch=True, save_gathered=False, async_tp=True, grads_at_end=True
+    )
     _fresh_compiler()
     models = []
     errs = _compiled(equivalence(grid, "llama", options, models), breaks_allowed=False)
     fetched = runtime_of(models[0]).prefetch  # the model's own, where x gathers weights
-    errs["backward_prefetch_order"] = float(grid.size("x") > 1 and (fetched is None or not 0 < len(fetched._backward.order)
-                                                                    == len(fetched._forward.order)))
+    errs["backward_prefetch_order"] = float(
+        grid.size("x") > 1
+        and (fetched is None or not 0 < len(fetched._backward.order) == len(fetched._forward.order))
+    )
     return {f"options_{k}": e for k, e in errs.items()}
 
 
@@ -77,9 +83,14 @@ def _compiled_against_eager(model, run) -> dict:
         model.zero_grad()
         loss = run(compiled)
         loss.backward()
-        runs.append((loss.detach(), [unshard_tensor(p.grad, get_spec(p), model.grid) for p in model.parameters()]))
+        runs.append(
+            (loss.detach(), [unshard_tensor(p.grad, get_spec(p), model.grid) for p in model.parameters()])
+        )
     (loss0, grads0), (loss1, grads1) = runs
-    return {"loss": rel(loss1, loss0), **{f"grad{n}": rel(g1, g0) for n, (g0, g1) in enumerate(zip(grads0, grads1))}}
+    return {
+        "loss": rel(loss1, loss0),
+        **{f"grad{n}": rel(g1, g0) for n, (g0, g1) in enumerate(zip(grads0, grads1))},
+    }
 
 
 def compiled_autocast_job(grid):
@@ -129,10 +140,12 @@ def op_calls_job(grid) -> dict:
     products = 4 * model.config.n_layer
     x_only = grid.size("y") == grid.size("z") == 1
     gathered, own = (products, 0) if x_only else (0, products)
-    return {"gathered_weight_calls": float(calls.get("lightning_3d::gathered_weight", 0) != gathered),
-            "gathered_backward_calls": float(calls.get("lightning_3d::gathered_product_backward", 0) != gathered),
-            "matmul3d_calls": float(calls.get("lightning_3d::matmul3d", 0) != own),
-            "matmul3d_backward_calls": float(calls.get("lightning_3d::matmul3d_backward", 0) != own)}
+    return {
+        "gathered_weight_calls": float(calls.get("lightning_3d::gathered_weight", 0) != gathered),
+        "gathered_backward_calls": float(calls.get("lightning_3d::gathered_product_backward", 0) != gathered),
+        "matmul3d_calls": float(calls.get("lightning_3d::matmul3d", 0) != own),
+        "matmul3d_backward_calls": float(calls.get("lightning_3d::matmul3d_backward", 0) != own),
+    }
 
 
 def test_compiled_products_on_an_x_grid_are_the_compilers():
@@ -168,10 +181,15 @@ def test_schedule_op_arguments_round_trip_every_field():
             self.group_name = name
 
     groups, runtime = (Named("3"), Named("17"), Named("1a2b")), Runtime()
-    for form, cast, flags in product(("ab", "abt", "atb"), (None, torch.bfloat16, torch.float16, torch.float32),
-                                     product((False, True), repeat=4)):
+    for form, cast, flags in product(
+        ("ab", "abt", "atb"),
+        (None, torch.bfloat16, torch.float16, torch.float32),
+        product((False, True), repeat=4),
+    ):
         save_gathered, b_is_parameter, grads_at_end, async_tp = flags
-        schedule = MatmulSchedule(form, groups, (2, 4, 1), save_gathered, cast, b_is_parameter, grads_at_end, 3, async_tp)
+        schedule = MatmulSchedule(
+            form, groups, (2, 4, 1), save_gathered, cast, b_is_parameter, grads_at_end, 3, async_tp
+        )
         args = _op_args(schedule, runtime)
         assert _schedule_of(*args[:-1], resolve=False) == schedule._replace(groups=(None,) * 3), args
         assert args[1] == ["3", "17", "1a2b"] and args[-1] == runtime.name, args

@@ -28,7 +28,9 @@ B, S, N, K = 4, 3, 8, 12  # micro-batch, sequence, features, hidden
 STEPS, SAVE_AFTER = 5, 3
 LR, WEIGHT_DECAY, CLIP = 1e-2, 0.01, 0.1
 TOL = 1e-5
-RESUME_TOL = 1e-4  # of one step's change: rounding is ~1e-7 of the weights; a lost optimizer state is the whole step
+RESUME_TOL = (
+    1e-4  # of one step's change: rounding is ~1e-7 of the weights; a lost optimizer state is the whole step
+)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -51,7 +53,10 @@ class Stack3D(Stack):
     """The same on the grid: full input and output on every cube rank, z-layout inside."""
 
     def forward(self, x):
-        return gather_activation(self.body(split_activation(x, "z", self.ln.grid)), "z", self.ln.grid) * self.scale
+        return (
+            gather_activation(self.body(split_activation(x, "z", self.ln.grid)), "z", self.ln.grid)
+            * self.scale
+        )
 
 
 def dense_model(seed: int) -> Stack:
@@ -64,7 +69,9 @@ def dense_model(seed: int) -> Stack:
 
 
 def model_3d(dense: Stack, grid) -> Stack3D:
-    mod = Stack3D(LayerNorm3D(N, grid=grid), Linear3D(N, K, grid=grid), Linear3D(K, N, input_layout="y", grid=grid))
+    mod = Stack3D(
+        LayerNorm3D(N, grid=grid), Linear3D(N, K, grid=grid), Linear3D(K, N, input_layout="y", grid=grid)
+    )
     for name in ("ln", "fc1", "fc2"):
         getattr(mod, name).load_dense_state_dict(getattr(dense, name).state_dict())
     with torch.no_grad():
@@ -74,9 +81,15 @@ def model_3d(dense: Stack, grid) -> Stack3D:
 
 def ds_config(shape, stage: int, dp: int) -> dict:
     return {
-        "train_batch_size": B * dp, "train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
-        "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True}},
+        "train_batch_size": B * dp,
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "torch_adam": True},
+        },
         "tensor3d": {"grid": list(shape)},
     }
 
@@ -97,7 +110,9 @@ def engine_step(engine, grid, step: int, dtype=torch.float32) -> float:
 
 def local_params(engine) -> list[torch.Tensor]:
     """This rank's part of every parameter (ZeRO-3: its partition)."""
-    return [(p.ds_tensor if hasattr(p, "ds_tensor") else p).detach().clone() for p in engine.module.parameters()]
+    return [
+        (p.ds_tensor if hasattr(p, "ds_tensor") else p).detach().clone() for p in engine.module.parameters()
+    ]
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -125,7 +140,9 @@ def dense_run(dense: Stack, dp: int) -> tuple[list[float], list[float], dict]:
 def _local_rank_env():
     import torch.distributed as dist
 
-    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # DeepSpeed asks for it; harness workers are not launched by torchrun
+    os.environ.setdefault(
+        "LOCAL_RANK", str(dist.get_rank())
+    )  # DeepSpeed asks for it; harness workers are not launched by torchrun
 
 
 def mpu_job(shape):
@@ -137,10 +154,26 @@ def mpu_job(shape):
     grid = harness.grid(shape)
     mpu = GridMPU(grid)
     return {
-        "mp": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size(), dist.get_process_group_ranks(mpu.get_model_parallel_group())),
-        "tp": (mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size(), dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group())),
-        "dp": (mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_group_ranks()),
-        "pp": (mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size(), dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())),
+        "mp": (
+            mpu.get_model_parallel_rank(),
+            mpu.get_model_parallel_world_size(),
+            dist.get_process_group_ranks(mpu.get_model_parallel_group()),
+        ),
+        "tp": (
+            mpu.get_tensor_model_parallel_rank(),
+            mpu.get_tensor_model_parallel_world_size(),
+            dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group()),
+        ),
+        "dp": (
+            mpu.get_data_parallel_rank(),
+            mpu.get_data_parallel_world_size(),
+            mpu.get_data_parallel_group_ranks(),
+        ),
+        "pp": (
+            mpu.get_pipeline_model_parallel_rank(),
+            mpu.get_pipeline_model_parallel_world_size(),
+            dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group()),
+        ),
         "src": mpu.get_tensor_model_parallel_src_rank(),
         "sequence_parallel": hasattr(mpu, "initialize_sequence_parallel"),
     }
@@ -168,7 +201,10 @@ def training_job(shape, stages, ckpt_root):
         if stage < 3:  # ZeRO-3 keeps only a partition of each parameter
             for (name, p), ref in zip(engine.module.named_parameters(), dense.parameters()):
                 spec = get_spec(p)
-                res["broadcast"][name] = rel(p.detach().cpu(), shard_tensor(ref.detach(), spec, grid) if spec is not None else ref.detach())
+                res["broadcast"][name] = rel(
+                    p.detach().cpu(),
+                    shard_tensor(ref.detach(), spec, grid) if spec is not None else ref.detach(),
+                )
         ref_losses, ref_norms, ref_saved = dense_run(dense, dp)
         losses, norms = [], []
         ckpt = os.path.join(ckpt_root, f"{'x'.join(map(str, shape))}_zero{stage}")
@@ -188,7 +224,9 @@ def training_job(shape, stages, ckpt_root):
         res["clipped"] = min(ref_norms)
         # a fresh engine from other weights, loaded from the checkpoint, holds the saved weights bit for
         # bit and takes the same next step (to rounding: its buffers may round differently in the last bit)
-        fresh, *_ = deepspeed_3d.initialize(model=model_3d(dense_model(seed=99), grid), config=ds_config(shape, stage, dp))
+        fresh, *_ = deepspeed_3d.initialize(
+            model=model_3d(dense_model(seed=99), grid), config=ds_config(shape, stage, dp)
+        )
         deepspeed_3d.load_checkpoint(fresh, ckpt)
         res["restored"] = all(torch.equal(a, b) for a, b in zip(local_params(fresh), at_save))
         engine_step(fresh, grid, SAVE_AFTER)
@@ -225,8 +263,10 @@ def gpt_job(shape, stage, ckpt_root, grads_at_end=False):
     ckpt = os.path.join(ckpt_root, f"gpt_zero{stage}")
     loss_err, norm_err, saved = 0.0, 0.0, None
     for step in range(STEPS):
-        ids = torch.randint(0, config.vocab_size, (dp * B, S + 1), generator=torch.Generator().manual_seed(step))
-        mine = ids[d * B:(d + 1) * B].to(engine.device)
+        ids = torch.randint(
+            0, config.vocab_size, (dp * B, S + 1), generator=torch.Generator().manual_seed(step)
+        )
+        mine = ids[d * B : (d + 1) * B].to(engine.device)
         loss = engine(mine[:, :-1], mine[:, 1:])
         engine.backward(loss)
         engine.step()
@@ -270,7 +310,9 @@ def bf16_job(shape, stages):
     out = {}
     for stage in stages:
         dense = dense_model(seed=stage)
-        engine, *_ = deepspeed_3d.initialize(model=model_3d(dense, grid), config={**ds_config(shape, stage, dp), "bf16": {"enabled": True}})
+        engine, *_ = deepspeed_3d.initialize(
+            model=model_3d(dense, grid), config={**ds_config(shape, stage, dp), "bf16": {"enabled": True}}
+        )
         ref_losses, ref_norms, _ = dense_run(dense, dp)
         losses, norms = [], []
         for step in range(STEPS):
@@ -278,8 +320,10 @@ def bf16_job(shape, stages):
             norms.append(float(engine.get_global_grad_norm()))
         loss_t = torch.tensor(losses, device=engine.device)
         dist.all_reduce(loss_t, group=grid.group("dp"))
-        out[stage] = {"loss": max(abs(a - b) / b for a, b in zip((loss_t / dp).tolist(), ref_losses)),
-                      "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms))}
+        out[stage] = {
+            "loss": max(abs(a - b) / b for a, b in zip((loss_t / dp).tolist(), ref_losses)),
+            "norm": max(abs(a - b) / b for a, b in zip(norms, ref_norms)),
+        }
     return out
 
 
@@ -289,7 +333,9 @@ def other_grid_job(shape, ckpt):
 
     _local_rank_env()
     grid = harness.grid(shape)
-    engine, *_ = deepspeed_3d.initialize(model=model_3d(dense_model(0), grid), config=ds_config(shape, 1, grid.data_parallel_size))
+    engine, *_ = deepspeed_3d.initialize(
+        model=model_3d(dense_model(0), grid), config=ds_config(shape, 1, grid.data_parallel_size)
+    )
     try:
         deepspeed_3d.load_checkpoint(engine, ckpt)
     except ValueError as e:
@@ -319,7 +365,9 @@ def errors_job(shape, ckpt_root):
         except ValueError as e:
             messages[what] = str(e)
     try:
-        deepspeed_3d.initialize(model=model_3d(dense_model(0), grid), config=ds_config(shape, 1, dp), mpu=object())
+        deepspeed_3d.initialize(
+            model=model_3d(dense_model(0), grid), config=ds_config(shape, 1, dp), mpu=object()
+        )
     except ValueError as e:
         messages["mpu"] = str(e)
     return messages
@@ -330,16 +378,26 @@ def _check_training(results, stages):
         for stage in stages:
             r = per_stage[stage]
             where = f"rank {rank}, ZeRO-{stage}"
-            assert all(e < TOL for e in r["broadcast"].values()), f"{where}: a shard changed at start-up: {r['broadcast']}"
-            assert r["clipped"] > CLIP, f"{where}: the test must clip at every step, but a dense norm is {r['clipped']:.3f} <= {CLIP}"
+            assert all(e < TOL for e in r["broadcast"].values()), (
+                f"{where}: a shard changed at start-up: {r['broadcast']}"
+            )
+            assert r["clipped"] > CLIP, (
+                f"{where}: the test must clip at every step, but a dense norm is {r['clipped']:.3f} <= {CLIP}"
+            )
             assert r["loss"] < TOL, f"{where}: losses differ from the dense reference by {r['loss']:.2e}"
-            assert r["norm"] < TOL, f"{where}: DeepSpeed's grad norm differs from the dense model's by {r['norm']:.2e}"
+            assert r["norm"] < TOL, (
+                f"{where}: DeepSpeed's grad norm differs from the dense model's by {r['norm']:.2e}"
+            )
             assert r["restored"], f"{where}: the weights after load_checkpoint differ from the saved ones"
-            assert r["resume"] < RESUME_TOL, (f"{where}: the step after load_checkpoint differs from the step after save by "
-                                              f"{r['resume']:.2e} of the step's size")
+            assert r["resume"] < RESUME_TOL, (
+                f"{where}: the step after load_checkpoint differs from the step after save by "
+                f"{r['resume']:.2e} of the step's size"
+            )
             if rank == 0:
                 assert r["export_keys"], f"{where}: exported keys differ from the dense state dict"
-                assert all(e < TOL for e in r["export"].values()), f"{where}: dense export differs: {r['export']}"
+                assert all(e < TOL for e in r["export"].values()), (
+                    f"{where}: dense export differs: {r['export']}"
+                )
 
 
 def test_mpu_groups():
@@ -363,11 +421,26 @@ def test_zero_stages_2x1x1_dp2(tmp_path):
     for message in harness.run(4, other_grid_job, (1, 2, 1), str(tmp_path / "2x1x1_zero1")):
         assert message is not None and "saved on a 2×1×1 grid but this run uses 1×2×1" in message, message
     out = tmp_path / "dense.pt"  # the command line converts the same checkpoint
-    cmd = [sys.executable, "-m", "deepspeed_3d.checkpoint", "to-dense", str(tmp_path / "2x1x1_zero3"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed_3d.checkpoint",
+        "to-dense",
+        str(tmp_path / "2x1x1_zero3"),
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, capture_output=True, timeout=120)
     state = torch.load(out)
-    assert sorted(state) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "ln.bias", "ln.weight", "scale"]
+    assert sorted(state) == [
+        "fc1.bias",
+        "fc1.weight",
+        "fc2.bias",
+        "fc2.weight",
+        "ln.bias",
+        "ln.weight",
+        "scale",
+    ]
     assert state["fc1.weight"].shape == (K, N)
 
 
@@ -393,7 +466,10 @@ def test_bf16_zero_1_and_3_1x1x2_dp2():
 
 def test_initialize_errors(tmp_path):
     messages = harness.run(4, errors_job, (1, 1, 2), str(tmp_path))[0]
-    assert "train_batch_size 16 != train_micro_batch_size_per_gpu 4 × gradient_accumulation_steps 1 × dp = world 4 / (px·py·pz = 1·1·2) = 2 = 8" in messages["batch"]
+    assert (
+        "train_batch_size 16 != train_micro_batch_size_per_gpu 4 × gradient_accumulation_steps 1 × dp = world 4 / (px·py·pz = 1·1·2) = 2 = 8"
+        in messages["batch"]
+    )
     assert "bf16 without ZeRO" in messages["precision"] and '"stage": 1' in messages["precision"]
     assert "[2, 1, 1]" in messages["section"] and "1×1×2" in messages["section"]
     assert '{"grid": [px, py, pz]}' in messages["section_keys"]
@@ -405,17 +481,31 @@ def test_initialize_errors(tmp_path):
 def test_lightning_strategy_fits_and_resumes(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "deepspeed_scripts", "lightning_fit_resume.py")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, script, str(tmp_path)], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, script, str(tmp_path)],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 143, proc.stdout[-3000:] + proc.stderr[-6000:]  # the last fit is preempted
     assert "RESULT ok" in proc.stdout, proc.stdout[-3000:]
     log = proc.stdout + proc.stderr
-    assert "tensor3d: rank 1 received SIGTERM; every rank stopped at global step 1 and saved a checkpoint" in log, log[-3000:]
+    assert (
+        "tensor3d: rank 1 received SIGTERM; every rank stopped at global step 1 and saved a checkpoint" in log
+    ), log[-3000:]
     assert (tmp_path / "preempted.ckpt" / "latest").is_file(), "the preemption checkpoint is incomplete"
     from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
-    stated = [line.replace("Total params", "").strip(" :") for line in log.splitlines() if "Total params" in line]
+    stated = [
+        line.replace("Total params", "").strip(" :") for line in log.splitlines() if "Total params" in line
+    ]
     dense = get_human_readable_count(sum(p.numel() for p in dense_model(0).parameters())).strip()
-    assert stated and stated[0] == dense, f"the model summary states {stated[:1]} parameters, the dense model has {dense}"
+    assert stated and stated[0] == dense, (
+        f"the model summary states {stated[:1]} parameters, the dense model has {dense}"
+    )
 
 
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])

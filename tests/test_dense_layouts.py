@@ -37,23 +37,55 @@ GRIDS = [(2, 1, 1), (1, 2, 2), (2, 2, 1)]  # in a world of 4: dp 2, 1, 1
 def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=H, n_layer=1, n_head=4, n_positions=S, bos_token_id=0,
-                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=V,
+            n_embd=H,
+            n_layer=1,
+            n_head=4,
+            n_positions=S,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def llama_like(kind: str, **kw):
     import transformers
 
-    config = getattr(transformers, f"{kind}Config")(vocab_size=V, hidden_size=H, intermediate_size=24, num_hidden_layers=1,
-                                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=S, **kw)
+    config = getattr(transformers, f"{kind}Config")(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=S,
+        **kw,
+    )
     return getattr(transformers, f"{kind}ForCausalLM")(config)
 
 
 def dense_gpt(style: str):
     from lightning_3d.models import DenseGPT, GPTConfig
 
-    return DenseGPT(GPTConfig(vocab_size=V, block_size=S, n_layer=1, n_head=4, n_kv_head=2 if style == "llama" else None,
-                              n_embd=H, style=style, ffn_hidden=24 if style == "llama" else None, vocab_multiple=1), dtype=F64)
+    return DenseGPT(
+        GPTConfig(
+            vocab_size=V,
+            block_size=S,
+            n_layer=1,
+            n_head=4,
+            n_kv_head=2 if style == "llama" else None,
+            n_embd=H,
+            style=style,
+            ffn_hidden=24 if style == "llama" else None,
+            vocab_multiple=1,
+        ),
+        dtype=F64,
+    )
 
 
 MODELS = {
@@ -101,7 +133,12 @@ def parallel_logits(model: nn.Module, ids: torch.Tensor, grid) -> torch.Tensor:
 def same(a: dict, b: dict, tag: str) -> dict:
     """Keys, shapes, dtypes and values of two state dicts, exactly (0: equal)."""
     errs = {f"{tag}_keys": float(sorted(a) != sorted(b))}
-    errs.update({f"{tag}_{k}": float(not (k in b and a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))) for k in a})
+    errs.update(
+        {
+            f"{tag}_{k}": float(not (k in b and a[k].dtype == b[k].dtype and torch.equal(a[k], b[k])))
+            for k in a
+        }
+    )
     return errs
 
 
@@ -127,10 +164,14 @@ def layouts(grid, name: str) -> dict:
 
     if name == "gpt2":  # a square Conv1D weight, [in, out] = [out, in]: equal, not its transpose
         key = "transformer.h.0.attn.c_proj.weight"
-        errs["square_is_transposable"] = float(rel(before[key].t(), before[key]) < 0.5)  # else the next could not fail
+        errs["square_is_transposable"] = float(
+            rel(before[key].t(), before[key]) < 0.5
+        )  # else the next could not fail
         errs["square_kept"] = rel(state[key], before[key])
-        errs["tied"] = float(original.lm_head.weight is not original.transformer.wte.weight
-                             or not torch.equal(state["lm_head.weight"], state["transformer.wte.weight"]))
+        errs["tied"] = float(
+            original.lm_head.weight is not original.transformer.wte.weight
+            or not torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+        )
     return {f"{name}_{k}": e for k, e in errs.items()}
 
 
@@ -190,7 +231,6 @@ def checkpoint_export(grid, folder: str) -> dict:
     checkpoint that records no transposed layouts (as those written before they were recorded) is refused by
     ``checkpoint_to_pretrained``, naming the shapes."""
     import deepspeed_3d
-
     from lightning_3d import checkpoint as ckpt
     from lightning_3d import parallelize
     from lightning_3d.hf import checkpoint_to_pretrained
@@ -199,10 +239,17 @@ def checkpoint_export(grid, folder: str) -> dict:
     before = {k: t.clone() for k, t in model.state_dict().items()}
     parallelize(model, grid=grid)
     ckpt.save(f"{folder}/gpt2.ckpt", {"state_dict": ckpt.model_state(model, grid)}, grid, model)
-    os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))  # DeepSpeed reads it; harness workers are not launched
-    config = {"train_batch_size": B * grid.data_parallel_size, "train_micro_batch_size_per_gpu": B,
-              "tensor3d": {"grid": list(grid.shape)}}
-    engine, *_ = deepspeed_3d.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    os.environ.setdefault(
+        "LOCAL_RANK", str(torch.distributed.get_rank())
+    )  # DeepSpeed reads it; harness workers are not launched
+    config = {
+        "train_batch_size": B * grid.data_parallel_size,
+        "train_micro_batch_size_per_gpu": B,
+        "tensor3d": {"grid": list(grid.shape)},
+    }
+    engine, *_ = deepspeed_3d.initialize(
+        model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+    )
     deepspeed_3d.save_checkpoint(engine, f"{folder}/gpt2.ds")
     for layer in model.modules():
         layer.dense_transposed = ()
@@ -214,7 +261,11 @@ def checkpoint_export(grid, folder: str) -> dict:
         refusal = ""
     except ValueError as e:
         refusal = str(e)
-    errs = {"unrecorded_refused": float("transformer.h.0.attn.c_attn.weight [48, 16] (the model's: [16, 48])" not in refusal)}
+    errs = {
+        "unrecorded_refused": float(
+            "transformer.h.0.attn.c_attn.weight [48, 16] (the model's: [16, 48])" not in refusal
+        )
+    }
     errs.update(same(ckpt.to_dense(f"{folder}/gpt2.ckpt"), before, "to_dense"))
     errs.update(same(deepspeed_3d.to_dense(f"{folder}/gpt2.ds"), before, "deepspeed_to_dense"))
     ckpt.main(["to-dense", f"{folder}/gpt2.ckpt", f"{folder}/gpt2.safetensors"])

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-EXAMPLES = ["train_gpt.py", "train_gpt_deepspeed.py", "quickstart_lightning.py", "finetune_hf.py", "fabric_litgpt.py"]
+EXAMPLES = [
+    "train_gpt.py",
+    "train_gpt_deepspeed.py",
+    "quickstart_lightning.py",
+    "finetune_hf.py",
+    "fabric_litgpt.py",
+]
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
@@ -25,16 +31,28 @@ def test_help_shows_every_default(example, monkeypatch, capsys):
         runpy.run_path(str(ROOT / "examples" / example), run_name="__main__")
     out = capsys.readouterr().out
     assert done.value.code == 0, out[-2000:]
-    blocks = [b for b in re.split(r"\n  (?=-)", out.split("options:")[1]) if b.strip()]  # one per option, wrapped lines included
+    blocks = [
+        b for b in re.split(r"\n  (?=-)", out.split("options:")[1]) if b.strip()
+    ]  # one per option, wrapped lines included
     options = [b.split()[0].rstrip(",") for b in blocks]
-    undocumented = [o for o, b in zip(options, blocks) if o != "-h" and "(default:" not in " ".join(b.split())]
+    undocumented = [
+        o for o, b in zip(options, blocks) if o != "-h" and "(default:" not in " ".join(b.split())
+    ]
     assert options and not undocumented, f"{example}: no default shown for {undocumented}"
 
 
 def test_deepspeed_example_names_the_extra_when_deepspeed_is_missing(tmp_path):
-    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['deepspeed'] = None  # as if not installed\n")
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['deepspeed'] = None  # as if not installed\n"
+    )
     path = os.pathsep.join(filter(None, [str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "examples/train_gpt_deepspeed.py", "--help"], capture_output=True, text=True, timeout=180,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
+    run = subprocess.run(
+        [sys.executable, "examples/train_gpt_deepspeed.py", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     assert run.returncode != 0
     assert 'pip install -e ".[deepspeed]"' in run.stderr, run.stderr[-2000:]

@@ -92,13 +92,19 @@ def test_fabric_steps_equal_the_dense_model_and_the_trainer(runs, dense):
 
 
 def test_models_built_on_meta_go_on_the_grid_in_the_precision(runs):
-    grids = {name: (records(runs, name)[0]["grid"], records(runs, name)[0]["dp"]) for name in ("F1", "F2", "F3")}
+    grids = {
+        name: (records(runs, name)[0]["grid"], records(runs, name)[0]["dp"]) for name in ("F1", "F2", "F3")
+    }
     assert grids == {"F1": ([2, 1, 1], 2), "F2": ([2, 2, 1], 1), "F3": ([1, 1, 1], 4)}
     assert records(runs, "T")[0]["grid"] == [1, 2, 2]
     for name in ("F1", "F2", "F3"):
         assert all(r["meta_built"] and r["dtype"] == "torch.float64" for r in records(runs, name)), name
-    assert records(runs, "F2")[0]["strategy"] == "lightning_3d.strategy.fabric.Tensor3DFabricStrategy"  # by name
-    assert records(runs, "F3")[0]["strategy"] == "lightning_3d.strategy.lightning_fabric.Tensor3DFabricStrategy"
+    assert (
+        records(runs, "F2")[0]["strategy"] == "lightning_3d.strategy.fabric.Tensor3DFabricStrategy"
+    )  # by name
+    assert (
+        records(runs, "F3")[0]["strategy"] == "lightning_3d.strategy.lightning_fabric.Tensor3DFabricStrategy"
+    )
 
 
 def test_cube_ranks_share_a_batch_and_dp_ranks_split_it(runs):
@@ -126,7 +132,9 @@ def test_loaded_state_and_remainder(runs):
     for rec in records(runs, "F2"):
         assert rec["loaded_step"] == 3 and rec["scheduler_epoch"] == 3 and rec["remainder"] == ["note"]
     for rec in records(runs, "F3"):
-        assert {"epoch", "global_step", "loops"} <= set(rec["remainder"]) and "tensor3d_param_groups" not in rec["remainder"]
+        assert {"epoch", "global_step", "loops"} <= set(
+            rec["remainder"]
+        ) and "tensor3d_param_groups" not in rec["remainder"]
 
 
 def test_to_dense_exports_a_fabric_checkpoint(runs, dense, tmp_path):
@@ -140,6 +148,7 @@ def test_to_dense_exports_a_fabric_checkpoint(runs, dense, tmp_path):
 
 # ----- stops, registration and the command line: worlds of 2, all started at once -----
 
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
     """The preempted and the killed worlds of 2 (both Fabric namespaces imported before lightning_3d) and ``fabric run``
@@ -150,16 +159,37 @@ def launched(tmp_path_factory) -> dict:
         (out / mode).mkdir()
         procs[mode], logs[mode] = worlds.start(SCRIPTS / "stops.py", 2, out / mode, (mode, str(out / mode)))
     (out / "cli").mkdir()
-    commands = {"cli": [sys.executable, "-m", "lightning_3d.strategy.fabric_cli", "run", "--accelerator", "cpu", "--devices", "2",
-                        "--strategy", "tensor3d", "--precision", "bf16-mixed", "--main-port", str(worlds.free_port()), str(SCRIPTS / "cli_run.py"), str(out / "cli")]}
+    commands = {
+        "cli": [
+            sys.executable,
+            "-m",
+            "lightning_3d.strategy.fabric_cli",
+            "run",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "2",
+            "--strategy",
+            "tensor3d",
+            "--precision",
+            "bf16-mixed",
+            "--main-port",
+            str(worlds.free_port()),
+            str(SCRIPTS / "cli_run.py"),
+            str(out / "cli"),
+        ]
+    }
     for name, args in commands.items():
         logs[name] = [out / f"{name}.log"]
         with open(logs[name][0], "w") as log:
             procs[name] = [subprocess.Popen(args, env=worlds.env(), stdout=log, stderr=subprocess.STDOUT)]
     hung = worlds.wait([p for ps in procs.values() for p in ps], timeout=300)
     assert not hung, f"processes {hung} still ran after 300 s"
-    return {"out": out, "status": {name: [p.returncode for p in ps] for name, ps in procs.items()},
-            "log": {name: [worlds.tail(f, 60) for f in files] for name, files in logs.items()}}
+    return {
+        "out": out,
+        "status": {name: [p.returncode for p in ps] for name, ps in procs.items()},
+        "log": {name: [worlds.tail(f, 60) for f in files] for name, files in logs.items()},
+    }
 
 
 def test_fabric_run_takes_the_strategy_by_name_registered_in_both_namespaces(launched):
@@ -167,9 +197,15 @@ def test_fabric_run_takes_the_strategy_by_name_registered_in_both_namespaces(lau
     ``stops.py``, which imports them first, at once)."""
     assert launched["status"]["cli"] == [0], launched["log"]["cli"][0]
     recs = common.read_records(launched["out"] / "cli", "cli")
-    assert len(recs) == 2 and all(r["registered"] == [True, True] and r["grid"] == [2, 1, 1] and r["world"] == 2 for r in recs)
-    assert all(r["strategy"] == "lightning_3d.strategy.fabric.Tensor3DFabricStrategy" and r["precision"] == "MixedPrecision"
-               and math.isfinite(r["loss"]) for r in recs)
+    assert len(recs) == 2 and all(
+        r["registered"] == [True, True] and r["grid"] == [2, 1, 1] and r["world"] == 2 for r in recs
+    )
+    assert all(
+        r["strategy"] == "lightning_3d.strategy.fabric.Tensor3DFabricStrategy"
+        and r["precision"] == "MixedPrecision"
+        and math.isfinite(r["loss"])
+        for r in recs
+    )
 
 
 def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(launched):
@@ -179,17 +215,26 @@ def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(laun
     took = max(float((out / f"exit.rank{r}").read_text()) for r in range(2)) - signalled
     assert took < 30, f"the ranks took {took:.0f} s to stop after the signal"
     steps = common.read_records(out, "steps")  # 16-true: the model in fp16
-    assert [(s["dtype"], len(s["loss"])) for s in steps] == [("torch.float16", 4)] * 2 and all(map(math.isfinite, steps[0]["loss"]))
+    assert [(s["dtype"], len(s["loss"])) for s in steps] == [("torch.float16", 4)] * 2 and all(
+        map(math.isfinite, steps[0]["loss"])
+    )
     assert ckpt.is_complete(out / "preempted")
     assert ckpt.load_meta(out / "preempted")["step"] == 4  # signalled after step 2's vote: agreed at step 4's
-    assert "rank 1 received SIGTERM; every rank stopped at check_preemption call 5" in log[0] and "fabric.load(" in log[0], log[0]
+    assert (
+        "rank 1 received SIGTERM; every rank stopped at check_preemption call 5" in log[0]
+        and "fabric.load(" in log[0]
+    ), log[0]
 
 
 def test_a_killed_rank_stops_the_others_within_seconds(launched):
     out, log = launched["out"] / "kill", launched["log"]["kill"]
     assert launched["status"]["kill"][0] not in (0, None), log[0]
     steps = common.read_records(out, "steps")[0]  # bf16-true: the model in bf16 trained until the kill
-    assert steps["dtype"] == "torch.bfloat16" and len(steps["loss"]) >= 2 and all(map(math.isfinite, steps["loss"])), steps
+    assert (
+        steps["dtype"] == "torch.bfloat16"
+        and len(steps["loss"]) >= 2
+        and all(map(math.isfinite, steps["loss"]))
+    ), steps
     took = float((out / "exit.rank0").read_text()) - float((out / "killed_at").read_text())
     assert took < 30, f"rank 0 took {took:.0f} s to fail after rank 1 died (timeout 60 s)"
 
@@ -201,8 +246,16 @@ def test_arguments_and_precisions_are_checked_early():
 
     from lightning_3d import Tensor3DFabricStrategy
 
-    for bad in [{"grid": (2, 2)}, {"data_parallel_size": 0}, {"zero_stage": 2}, {"timeout": 0}, {"plan": "gpt"}, {"options": {}},
-                {"precision": FSDPPrecision("bf16-mixed")}, {"bucket_cap": 1}]:
+    for bad in [
+        {"grid": (2, 2)},
+        {"data_parallel_size": 0},
+        {"zero_stage": 2},
+        {"timeout": 0},
+        {"plan": "gpt"},
+        {"options": {}},
+        {"precision": FSDPPrecision("bf16-mixed")},
+        {"bucket_cap": 1},
+    ]:
         with pytest.raises(ValueError):
             Tensor3DFabricStrategy(**bad)
     with pytest.raises(ValueError, match="world size 4 is not divisible by px·py·pz = 3"):

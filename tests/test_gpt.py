@@ -1,14 +1,32 @@
 """GPT3D equals DenseGPT on every grid (float64): logits, loss, every parameter gradient; generation, padding, checkpointing, import."""
 
 import itertools
+
+import harness
 import pytest
 import torch
 import torch.distributed as dist
+from checks import (
+    GRIDS_8,
+    assert_close,
+    local,
+    nodes_named,
+    on_grids,
+    rel,
+    seed_for,
+    sums_replicas,
+    value_error,
+)
 
-import harness
-from checks import GRIDS_8, assert_close, local, nodes_named, on_grids, rel, seed_for, sums_replicas, value_error
 from lightning_3d.layout import gather_activation
-from lightning_3d.models import DenseGPT, FusedLinear3D, GPT3D, GPTConfig, dense_state_dict_from_hf, gpt_config_from_hf
+from lightning_3d.models import (
+    GPT3D,
+    DenseGPT,
+    FusedLinear3D,
+    GPTConfig,
+    dense_state_dict_from_hf,
+    gpt_config_from_hf,
+)
 from lightning_3d.options import RuntimeOptions
 from lightning_3d.parallel import set_options
 from lightning_3d.sharding import get_spec, unshard_tensor
@@ -18,7 +36,9 @@ from lightning_3d.sharding import get_spec, unshard_tensor
 V, B, S = 50, 4, 8
 BASE = dict(vocab_size=V, block_size=12, n_layer=2, n_head=4, n_embd=16)
 STYLES = {"gpt2": dict(style="gpt2"), "llama": dict(style="llama", tie_embeddings=False, ffn_hidden=24)}
-GQA = dict(style="llama", tie_embeddings=False, ffn_hidden=24, n_kv_head=2)  # 2 query heads per key/value head
+GQA = dict(
+    style="llama", tie_embeddings=False, ffn_hidden=24, n_kv_head=2
+)  # 2 query heads per key/value head
 GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 2, 2)]  # in a world of 8: dp = 8, 4, 2, 1
 F64 = torch.float64
 
@@ -106,14 +126,19 @@ def checkpointing(grid, style):
     with torch.no_grad():
         loss_other_masks = model(idx, targets)
     (loss0, grads0, calls0), (loss1, grads1, calls1) = runs
-    errs = {"loss": rel(loss1, loss0), "block_recomputed": float((calls0, calls1) != (1, 2)),
-            "dropout_active": float(abs(loss0 - loss_other_masks) < 1e-6)}
+    errs = {
+        "loss": rel(loss1, loss0),
+        "block_recomputed": float((calls0, calls1) != (1, 2)),
+        "dropout_active": float(abs(loss0 - loss_other_masks) < 1e-6),
+    }
     errs.update({f"grad{n}": rel(g1, g0) for n, (g0, g1) in enumerate(zip(grads0, grads1))})
     return {f"{style}_ckpt_{k}": e for k, e in errs.items()}
 
 
 def model_job(grid):
-    return {k: e for style in STYLES for job in (equivalence, checkpointing) for k, e in job(grid, style).items()}
+    return {
+        k: e for style in STYLES for job in (equivalence, checkpointing) for k, e in job(grid, style).items()
+    }
 
 
 def test_gpt3d_equals_dense_on_grids():
@@ -121,7 +146,9 @@ def test_gpt3d_equals_dense_on_grids():
 
 
 def async_tp_job(grid):
-    return {k: e for style in STYLES for k, e in equivalence(grid, style, RuntimeOptions(async_tp=True)).items()}
+    return {
+        k: e for style in STYLES for k, e in equivalence(grid, style, RuntimeOptions(async_tp=True)).items()
+    }
 
 
 def test_gpt3d_equals_dense_with_async_tp():
@@ -145,37 +172,75 @@ def test_dense_grouped_query_attention_equals_hf_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = config("gqa")
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=12,
-                                      rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False,
-                                      attn_implementation="eager")).to(F64).eval()
+    hf = (
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=V,
+                hidden_size=16,
+                intermediate_size=24,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=12,
+                rms_norm_eps=cfg.norm_eps,
+                rope_theta=cfg.rope_theta,
+                tie_word_embeddings=False,
+                attn_implementation="eager",
+            )
+        )
+        .to(F64)
+        .eval()
+    )
     torch.manual_seed(12)
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     r, d = cfg.queries_per_kv, cfg.head_dim
     hs = hf.state_dict()
-    state = {"transformer.wte.weight": hs["model.embed_tokens.weight"], "transformer.ln_f.weight": hs["model.norm.weight"],
-             "lm_head.weight": hs["lm_head.weight"]}
+    state = {
+        "transformer.wte.weight": hs["model.embed_tokens.weight"],
+        "transformer.ln_f.weight": hs["model.norm.weight"],
+        "lm_head.weight": hs["lm_head.weight"],
+    }
     for i in range(cfg.n_layer):
         src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
-        q = hs[src + "self_attn.q_proj.weight"].unflatten(0, (cfg.n_kv_head, r, d)).transpose(0, 1).flatten(0, 2)  # HF head t·r+g → slot g, row t
-        state.update({
-            dst + "attn.c_attn.weight": torch.cat([q, hs[src + "self_attn.k_proj.weight"], hs[src + "self_attn.v_proj.weight"]]),
-            dst + "attn.c_proj.weight": hs[src + "self_attn.o_proj.weight"],
-            dst + "mlp.c_fc.weight": torch.cat([hs[src + "mlp.gate_proj.weight"], hs[src + "mlp.up_proj.weight"]]),
-            dst + "mlp.c_proj.weight": hs[src + "mlp.down_proj.weight"],
-            dst + "ln_1.weight": hs[src + "input_layernorm.weight"], dst + "ln_2.weight": hs[src + "post_attention_layernorm.weight"],
-        })
+        q = (
+            hs[src + "self_attn.q_proj.weight"]
+            .unflatten(0, (cfg.n_kv_head, r, d))
+            .transpose(0, 1)
+            .flatten(0, 2)
+        )  # HF head t·r+g → slot g, row t
+        state.update(
+            {
+                dst + "attn.c_attn.weight": torch.cat(
+                    [q, hs[src + "self_attn.k_proj.weight"], hs[src + "self_attn.v_proj.weight"]]
+                ),
+                dst + "attn.c_proj.weight": hs[src + "self_attn.o_proj.weight"],
+                dst + "mlp.c_fc.weight": torch.cat(
+                    [hs[src + "mlp.gate_proj.weight"], hs[src + "mlp.up_proj.weight"]]
+                ),
+                dst + "mlp.c_proj.weight": hs[src + "mlp.down_proj.weight"],
+                dst + "ln_1.weight": hs[src + "input_layernorm.weight"],
+                dst + "ln_2.weight": hs[src + "post_attention_layernorm.weight"],
+            }
+        )
     dense = DenseGPT(cfg, dtype=F64)
     dense.load_state_dict(state)
     idx = torch.randint(0, V, (B, S))
     with torch.no_grad():
-        assert rel(dense(idx), hf(idx, use_cache=False).logits) < 1e-6  # transformers computes RoPE's angles in float32
-        state["transformer.h.0.attn.c_attn.weight"] = torch.cat([hs["model.layers.0.self_attn.q_proj.weight"],
-                                                                  hs["model.layers.0.self_attn.k_proj.weight"],
-                                                                  hs["model.layers.0.self_attn.v_proj.weight"]])
-        dense.load_state_dict(state)  # query heads left in transformers' order: the pairing with kv heads differs
+        assert (
+            rel(dense(idx), hf(idx, use_cache=False).logits) < 1e-6
+        )  # transformers computes RoPE's angles in float32
+        state["transformer.h.0.attn.c_attn.weight"] = torch.cat(
+            [
+                hs["model.layers.0.self_attn.q_proj.weight"],
+                hs["model.layers.0.self_attn.k_proj.weight"],
+                hs["model.layers.0.self_attn.v_proj.weight"],
+            ]
+        )
+        dense.load_state_dict(
+            state
+        )  # query heads left in transformers' order: the pairing with kv heads differs
         assert rel(dense(idx), hf(idx, use_cache=False).logits) > 1e-3
 
 
@@ -220,8 +285,16 @@ def hf_job(grid, hf_config, hf_state_dict, idx, hf_logits):
 def test_hf_gpt2_import():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    hf_config = GPT2Config(vocab_size=V, n_positions=12, n_embd=16, n_layer=2, n_head=4,
-                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    hf_config = GPT2Config(
+        vocab_size=V,
+        n_positions=12,
+        n_embd=16,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(8)
     hf = GPT2LMHeadModel(hf_config).eval()
     with torch.no_grad():  # HF initialises biases to 0 and norms to 1: perturb so their mapping is tested
@@ -230,7 +303,9 @@ def test_hf_gpt2_import():
         idx = torch.randint(0, V, (B, S))
         hf_logits = hf(idx).logits
     state = {k: v.clone() for k, v in hf.state_dict().items()}
-    results = harness.run(8, on_grids, [(1, 1, 1), (1, 2, 2), (2, 2, 2)], hf_job, hf_config.to_dict(), state, idx, hf_logits)
+    results = harness.run(
+        8, on_grids, [(1, 1, 1), (1, 2, 2), (2, 2, 2)], hf_job, hf_config.to_dict(), state, idx, hf_logits
+    )
     assert_close(results, tol=1e-5)
 
 
@@ -293,8 +368,12 @@ def test_checks_raise_value_errors_with_numbers_and_fix():
     }
     for what, parts in expected.items():
         assert all(p in msgs[what] for p in parts), f"{what}: {msgs[what]!r} lacks one of {parts}"
-    for bad, fix in [(dict(style="bert"), "style"), (dict(n_embd=18), "n_head"), (dict(n_embd=12, n_head=4, style="llama"), "even"),
-                     (dict(n_kv_head=3), "divisors of 4")]:
+    for bad, fix in [
+        (dict(style="bert"), "style"),
+        (dict(n_embd=18), "n_head"),
+        (dict(n_embd=12, n_head=4, style="llama"), "even"),
+        (dict(n_kv_head=3), "divisors of 4"),
+    ]:
         with pytest.raises(ValueError, match=fix):
             GPTConfig(**{**BASE, **bad})
 
@@ -382,7 +461,9 @@ def fused_linear_job(grid):
         if split == "chunk":
             outputs = mod(x).chunk(groups, -1)
         else:  # runs of 2 groups and 1: the first cut in two
-            errs["runs_checked"] = float("sum to 2, not to the 3 groups" not in value_error(lambda: mod.forward_groups(x, (1, 1))))
+            errs["runs_checked"] = float(
+                "sum to 2, not to the 3 groups" not in value_error(lambda: mod.forward_groups(x, (1, 1)))
+            )
             first, last = mod.forward_groups(x, (2, 1))  # [..., P, run, k/P]
             blocks = 1 if grid.cube_size == 1 else grid.size("x")
             errs["runs_shaped"] = float(first.shape[-3:-1] != (blocks, 2) or last.shape[-3:-1] != (blocks, 1))
@@ -393,14 +474,16 @@ def fused_linear_job(grid):
             outputs = tuple(t.select(-2, g).flatten(-2) for t in (first, last) for g in range(t.shape[-2]))
         y = torch.stack(outputs)
         (y * torch.stack([local(wg, out_layout, grid) for wg in w])).sum().backward()
-        errs[f"{layout}_{split}_out"] = rel(y.detach(), torch.stack([local(yg, out_layout, grid) for yg in y_ref.detach()]))
+        errs[f"{layout}_{split}_out"] = rel(
+            y.detach(), torch.stack([local(yg, out_layout, grid) for yg in y_ref.detach()])
+        )
         errs[f"{layout}_{split}_dx"] = rel(x.grad, local(x_full.grad, layout, grid))
         grads = grads_as_dense(mod)
-        errs.update({f"{layout}_{split}_d{name}": rel(grads[name], p.grad) for name, p in dense.named_parameters()})
+        errs.update(
+            {f"{layout}_{split}_d{name}": rel(grads[name], p.grad) for name, p in dense.named_parameters()}
+        )
     return errs
 
 
 def test_fused_linear3d():
     assert_close(harness.run(8, on_grids, GRIDS_8, fused_linear_job))
-
-

@@ -2,12 +2,12 @@
 
 import os
 
+import harness
 import pytest
 import torch
 import torch.distributed as dist
-
-import harness
 from checks import GRIDS_8, gloo_threads, local, on_grids, rel, seed_for
+
 from lightning_3d import Grid, gather_activation, init_grid, split_activation
 from lightning_3d.grid import _check_shape, axes_across_nodes
 
@@ -70,7 +70,11 @@ def destroy_job():
 def test_destroyed_grids_leave_no_groups():
     for before, after, refused in harness.run(4, destroy_job):
         assert after == before, f"{after - before} gloo threads left by three destroyed grids"
-        assert "Grid(2×1×1, dp=2" in refused and "destroyed by destroy_grid" in refused and refused.endswith("| no current grid"), refused
+        assert (
+            "Grid(2×1×1, dp=2" in refused
+            and "destroyed by destroy_grid" in refused
+            and refused.endswith("| no current grid")
+        ), refused
 
 
 @pytest.mark.parametrize(
@@ -97,21 +101,33 @@ def test_async_tp_refuses_a_cube_across_nodes_and_other_devices():
     from lightning_3d.ops.async_tp import check_available
 
     check_available("cuda", 4, ("dp",))
-    with pytest.raises(ValueError, match=r"every cube of px·py·pz = 8 ranks on one node .* the cube's x groups span nodes: "
-                                         r"use a grid whose px·py·pz divides the ranks per node"):
+    with pytest.raises(
+        ValueError,
+        match=r"every cube of px·py·pz = 8 ranks on one node .* the cube's x groups span nodes: "
+        r"use a grid whose px·py·pz divides the ranks per node",
+    ):
         check_available("cuda", 8, ("x",))
-    with pytest.raises(ValueError, match="async_tp=True runs on 'cuda' or 'cpu' grids, not 'meta': pass async_tp=False"):
+    with pytest.raises(
+        ValueError, match="async_tp=True runs on 'cuda' or 'cpu' grids, not 'meta': pass async_tp=False"
+    ):
         check_available("meta", 8)
 
 
-@pytest.mark.parametrize("mesh, nodes, axes", [
-    ((2, 2, 1, 1), "aabb", ("dp",)),  # cubes of 2 inside nodes of 2: dp across
-    ((4, 2, 2, 1), "aaaabbbbccccdddd", ("dp",)),
-    ((1, 2, 2, 2), "aaaabbbb", ("x",)),  # a cube of 8 on nodes of 4: x (weights only) across, y and z inside
-    ((1, 1, 4, 2), "aaaabbbb", ("y",)),
-    ((2, 2, 2, 2), "aaaaaaaabbbbbbbb", ("dp",)),
-    ((1, 2, 2, 1), "aaaa", ()),
-])
+@pytest.mark.parametrize(
+    "mesh, nodes, axes",
+    [
+        ((2, 2, 1, 1), "aabb", ("dp",)),  # cubes of 2 inside nodes of 2: dp across
+        ((4, 2, 2, 1), "aaaabbbbccccdddd", ("dp",)),
+        (
+            (1, 2, 2, 2),
+            "aaaabbbb",
+            ("x",),
+        ),  # a cube of 8 on nodes of 4: x (weights only) across, y and z inside
+        ((1, 1, 4, 2), "aaaabbbb", ("y",)),
+        ((2, 2, 2, 2), "aaaaaaaabbbbbbbb", ("dp",)),
+        ((1, 2, 2, 1), "aaaa", ()),
+    ],
+)
 def test_axes_across_nodes_follow_the_rank_order(mesh, nodes, axes):
     assert axes_across_nodes(mesh, list(nodes)) == axes
 
@@ -140,7 +156,10 @@ def test_split_gather_activation(layout):
 
 
 def indivisible_job(grid):
-    with pytest.raises(ValueError, match=r"dim 0 of size 5 is split over px=2·py=2 = 4 ranks, but 5 % 4 = 1; make it a multiple of 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"dim 0 of size 5 is split over px=2·py=2 = 4 ranks, but 5 % 4 = 1; make it a multiple of 4",
+    ):
         split_activation(torch.randn(5, 3, 8), "z", grid)
     return True
 

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import harness
-import pytest
 import torch
 import torch.nn.functional as F
 from checks import assert_close, on_grids, rel, seed_for
@@ -43,7 +42,14 @@ from lightning_3d.hf.plans import LLAMA_NORMS
 from lightning_3d.layout import gather_activation
 
 B, S, V = 4, 8, 60  # V pads to 64 on grids with px·py = 4
-GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 2, 2), (2, 2, 1), (2, 2, 2)]  # in a world of 8: dp = 8, 4, 4, 2, 2, 1
+GRIDS = [
+    (1, 1, 1),
+    (2, 1, 1),
+    (1, 2, 1),
+    (1, 2, 2),
+    (2, 2, 1),
+    (2, 2, 2),
+]  # in a world of 8: dp = 8, 4, 4, 2, 2, 1
 F64 = torch.float64
 HF_F32_TOL = 1e-6  # transformers computes its loss (and Llama's norms) in float32
 
@@ -51,40 +57,89 @@ HF_F32_TOL = 1e-6  # transformers computes its loss (and Llama's norms) in float
 def llama(tied: bool, **kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sizes = dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=16)
+    sizes = dict(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     return LlamaForCausalLM(LlamaConfig(**{**sizes, **kw}, tie_word_embeddings=tied))
 
 
 def gpt2(tied: bool = True, **kw):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=V, n_embd=16, n_layer=2, n_head=4, n_positions=16, tie_word_embeddings=tied,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **kw)
+    cfg = GPT2Config(
+        vocab_size=V,
+        n_embd=16,
+        n_layer=2,
+        n_head=4,
+        n_positions=16,
+        tie_word_embeddings=tied,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        **kw,
+    )
     return GPT2LMHeadModel(cfg)
 
 
 def mistral(**kw):
     from transformers import MistralConfig, MistralForCausalLM
 
-    return MistralForCausalLM(MistralConfig(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, **kw))
+    return MistralForCausalLM(
+        MistralConfig(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            **kw,
+        )
+    )
 
 
 def qwen2(**kw):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, **kw))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            **kw,
+        )
+    )
 
 
 PAD = 0  # the untied Llama's pad_token_id: its embedding's padding_idx
-MODELS = {"llama_tied": lambda: llama(True), "llama_untied": lambda: llama(False, pad_token_id=PAD), "gpt2": gpt2,
-          "mistral": lambda: mistral(sliding_window=None), "qwen2": lambda: qwen2()}
+MODELS = {
+    "llama_tied": lambda: llama(True),
+    "llama_untied": lambda: llama(False, pad_token_id=PAD),
+    "gpt2": gpt2,
+    "mistral": lambda: mistral(sliding_window=None),
+    "qwen2": lambda: qwen2(),
+}
 SWEPT, LLAMA_LIKE = ("llama_tied", "llama_untied", "gpt2"), ("mistral", "qwen2")
 # (padding mask, per-sequence position ids) of each model's batch
-INPUTS = {"llama_tied": (True, False), "llama_untied": (False, True), "gpt2": (True, True), "mistral": (True, False),
-          "qwen2": (False, True)}
+INPUTS = {
+    "llama_tied": (True, False),
+    "llama_untied": (False, True),
+    "gpt2": (True, True),
+    "mistral": (True, False),
+    "qwen2": (False, True),
+}
 
 
 def perturbed(make, seed: int, dtype: torch.dtype = F64) -> nn.Module:
@@ -150,9 +205,12 @@ def equivalence(grid, name: str) -> dict:
     out = model(**call)
     out.loss.backward()
     logits = gather_activation(out.logits.detach(), "y", grid)
-    errs = {"loss": rel(out.loss.detach(), ref_loss.detach()), "logits": rel(logits[..., :V], ref_logits.detach()),
-            "padded_logits_lowest": float(not (logits[..., V:] == torch.finfo(F64).min).all()),
-            "f32_hf_loss": rel(out.loss.detach(), hf_loss)}
+    errs = {
+        "loss": rel(out.loss.detach(), ref_loss.detach()),
+        "logits": rel(logits[..., :V], ref_logits.detach()),
+        "padded_logits_lowest": float(not (logits[..., V:] == torch.finfo(F64).min).all()),
+        "f32_hf_loss": rel(out.loss.detach(), hf_loss),
+    }
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.grad)
@@ -173,11 +231,18 @@ TOLERANCES = {"ds_f32_": 1e-5, "f32_": HF_F32_TOL, "bf16_": 3e-2}
 
 def assert_within_tolerances(results: list) -> None:
     """Per-rank {grid: {name: err}} → every error below the tolerance of its tag (float64's 1e-10 untagged)."""
+
     def tag_of(name: str) -> str:
         return next((t for t in TOLERANCES if t in name), "")
 
     for tag, tol in (*TOLERANCES.items(), ("", 1e-10)):
-        assert_close([{g: {k: e for k, e in errs.items() if tag_of(k) == tag} for g, errs in r.items()} for r in results], tol)
+        assert_close(
+            [
+                {g: {k: e for k, e in errs.items() if tag_of(k) == tag} for g, errs in r.items()}
+                for r in results
+            ],
+            tol,
+        )
 
 
 def test_hf_models_equal_dense_on_grids():
@@ -202,20 +267,41 @@ def refused(grid) -> dict:
 
     ids = torch.randint(0, V, (B, S))
     expected = {
-        "kv_heads": (lambda: parallelize(llama(True, num_key_value_heads=1), grid=grid), None, "1 key/value heads do not split over py = 2"),
-        "sliding_window": (lambda: parallelize(mistral(sliding_window=4), grid=grid), None, "sliding_window=4"),
-        "attention": (lambda: parallelize(llama(True, attn_implementation="flex_attention"), grid=grid), None, "'flex_attention'"),
+        "kv_heads": (
+            lambda: parallelize(llama(True, num_key_value_heads=1), grid=grid),
+            None,
+            "1 key/value heads do not split over py = 2",
+        ),
+        "sliding_window": (
+            lambda: parallelize(mistral(sliding_window=4), grid=grid),
+            None,
+            "sliding_window=4",
+        ),
+        "attention": (
+            lambda: parallelize(llama(True, attn_implementation="flex_attention"), grid=grid),
+            None,
+            "'flex_attention'",
+        ),
         "use_cache": (plain, lambda m: m(ids, use_cache=True), "use_cache=False"),
-        "inputs_embeds": (plain, lambda m: m(inputs_embeds=torch.randn(B, S, 16, dtype=F64)), "not inputs_embeds"),
+        "inputs_embeds": (
+            plain,
+            lambda m: m(inputs_embeds=torch.randn(B, S, 16, dtype=F64)),
+            "not inputs_embeds",
+        ),
         "batch": (plain, lambda m: m(ids[:3]), "multiple of lcm(px·py, px·pz) = 2"),
     }
     errs = {k: float(needle not in message(build, call)) for k, (build, call, needle) in expected.items()}
     untouched = llama(True)
-    untouched.extra = torch.nn.Linear(2, 2)  # no rule maps it: refused after validate, before anything changes
+    untouched.extra = torch.nn.Linear(
+        2, 2
+    )  # no rule maps it: refused after validate, before anything changes
     errs["unmapped"] = float("extra (Linear)" not in message(lambda: parallelize(untouched, grid=grid)))
     attention = untouched.model.layers[0].self_attn
-    errs["refused_model_untouched"] = float("loss_function" in vars(untouched) or bool(attention._forward_pre_hooks)
-                                            or type(untouched.model.embed_tokens) is not torch.nn.Embedding)
+    errs["refused_model_untouched"] = float(
+        "loss_function" in vars(untouched)
+        or bool(attention._forward_pre_hooks)
+        or type(untouched.model.embed_tokens) is not torch.nn.Embedding
+    )
     return errs
 
 
@@ -250,17 +336,25 @@ def export(grid, folder: str) -> dict:
         with torch.no_grad():
             logits = gather_activation(model(ids).logits, "y", grid)[..., :V]
         state = dense_state_dict(model)
-        streamed = from_pretrained(f"{folder}/{name}", grid=grid, dtype=F64)  # back onto the grid, a tensor at a time
+        streamed = from_pretrained(
+            f"{folder}/{name}", grid=grid, dtype=F64
+        )  # back onto the grid, a tensor at a time
         with torch.no_grad():
-            errs[f"{name}_from_pretrained_logits"] = rel(gather_activation(streamed(ids).logits, "y", grid)[..., :V], logits)
-        errs.update({f"{name}_from_pretrained_{k}": rel(t, state[k]) for k, t in dense_state_dict(streamed).items()})
+            errs[f"{name}_from_pretrained_logits"] = rel(
+                gather_activation(streamed(ids).logits, "y", grid)[..., :V], logits
+            )
+        errs.update(
+            {f"{name}_from_pretrained_{k}": rel(t, state[k]) for k, t in dense_state_dict(streamed).items()}
+        )
         if torch.distributed.get_rank() == 0:
             checkpoint_to_pretrained(f"{folder}/{name}.ckpt", f"{folder}/{name}_from_ckpt")
             for route in ("", "_from_ckpt"):
                 loaded = AutoModelForCausalLM.from_pretrained(f"{folder}/{name}{route}", dtype=F64)
                 with torch.no_grad():
                     ref = loaded(ids, use_cache=False).logits
-                tag = "f32_" if name.startswith("llama") else ""  # the loaded Llama's norms compute in float32
+                tag = (
+                    "f32_" if name.startswith("llama") else ""
+                )  # the loaded Llama's norms compute in float32
                 errs[f"{name}{route}_{tag}logits"] = rel(logits, ref)
                 errs[f"{name}{route}_same_class"] = float(type(loaded).__name__ != type(model).__name__)
                 errs.update({f"{name}{route}_{k}": rel(state[k], t) for k, t in loaded.state_dict().items()})
@@ -279,7 +373,10 @@ def bf16_step(grid) -> dict:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(**call).loss
     loss.backward()
-    grads_ok = all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() and p.grad.abs().sum() > 0 for p in model.parameters())
+    grads_ok = all(
+        p.grad.dtype == torch.float32 and p.grad.isfinite().all() and p.grad.abs().sum() > 0
+        for p in model.parameters()
+    )
     return {"bf16_loss": rel(loss.detach(), loss32), "grads_float32_finite_nonzero": float(not grads_ok)}
 
 
@@ -288,31 +385,47 @@ def deepspeed_step(grid) -> dict:
     each weight's update, equal the dense model's clipped SGD step on the same replica batches (float32: Llama's
     norms and transformers' loss compute in float32 on both sides, so the tolerance is float32's)."""
     import deepspeed_3d
-
     from lightning_3d import dense_state_dict
     from lightning_3d.parallel import parallelize
 
-    os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))  # DeepSpeed reads it; harness workers are not launched
+    os.environ.setdefault(
+        "LOCAL_RANK", str(torch.distributed.get_rank())
+    )  # DeepSpeed reads it; harness workers are not launched
     dp, lr, clip = grid.data_parallel_size, 0.5, 1.0
     dense = perturbed(MODELS["llama_untied"], 8, torch.float32)
     before = {k: t.clone() for k, t in dense.state_dict().items()}
     model = parallelize(copy.deepcopy(dense), grid=grid)
-    config = {"train_batch_size": B * dp, "train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "gradient_clipping": clip,
-              "tensor3d": {"grid": list(grid.shape)}}
-    engine, *_ = deepspeed_3d.initialize(model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
+    config = {
+        "train_batch_size": B * dp,
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": clip,
+        "tensor3d": {"grid": list(grid.shape)},
+    }
+    engine, *_ = deepspeed_3d.initialize(
+        model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=lr)
+    )
     loss = engine(**batch(grid, 9, True, False)).loss
     engine.backward(loss)
     engine.step()
     losses = [dense(**batch(grid, 9, True, False, replica=d), use_cache=False).loss for d in range(dp)]
     torch.stack(losses).mean().backward()
-    assert torch.nn.utils.clip_grad_norm_(dense.parameters(), clip) > clip  # the clipping reads the global norm
+    assert (
+        torch.nn.utils.clip_grad_norm_(dense.parameters(), clip) > clip
+    )  # the clipping reads the global norm
     with torch.no_grad():
         for p in dense.parameters():
             p -= lr * p.grad
     trained = dense_state_dict(engine.module)
     errs = {"ds_f32_loss": rel(loss.detach(), losses[grid.coord("dp")].detach())}
-    errs.update({f"ds_f32_update_{k}": rel(trained[k] - before[k], t - before[k]) for k, t in dense.state_dict().items()})
+    errs.update(
+        {
+            f"ds_f32_update_{k}": rel(trained[k] - before[k], t - before[k])
+            for k, t in dense.state_dict().items()
+        }
+    )
     return errs
 
 
@@ -333,9 +446,13 @@ def checkpointing(grid) -> dict:
     model = parallelize(perturbed(MODELS["gpt2"], 10), grid=grid)
     call = batch(grid, 11, True, True)
     calls = []
-    model.transformer.h[0].ln_1.register_forward_pre_hook(lambda *_: calls.append(1))  # inside the unit: run again in recomputation
+    model.transformer.h[0].ln_1.register_forward_pre_hook(
+        lambda *_: calls.append(1)
+    )  # inside the unit: run again in recomputation
     runs = []
-    for recompute, compiled in ((False, False), (True, False), (False, True))[:3 if COMPILES_FLOAT64_SDPA else 2]:
+    for recompute, compiled in ((False, False), (True, False), (False, True))[
+        : 3 if COMPILES_FLOAT64_SDPA else 2
+    ]:
         set_options(model, activation_checkpointing=recompute, compile=compiled)
         model.zero_grad()
         calls.clear()
@@ -344,8 +461,12 @@ def checkpointing(grid) -> dict:
         runs.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
         runs[-1].append(len(calls))
     *tensors, counts = zip(*runs)
-    errs = {f"{what}_{i}": rel(t[k], t[0]) for k, what in ((1, "checkpointing"), (2, "compiled"))[:len(runs) - 1]
-            for i, t in enumerate(tensors) if t[0].norm() > 0}
+    errs = {
+        f"{what}_{i}": rel(t[k], t[0])
+        for k, what in ((1, "checkpointing"), (2, "compiled"))[: len(runs) - 1]
+        for i, t in enumerate(tensors)
+        if t[0].norm() > 0
+    }
     return {**errs, "checkpointing_recomputed": float(counts[:2] != (1, 2))}
 
 
@@ -371,11 +492,23 @@ def run_ranks(script: Path, world: int, *args: str, timeout: float = 240) -> Non
     root = str(Path(__file__).parent.parent)
     logs, procs = [], []
     for rank in range(world):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-               "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world),
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "WORLD_SIZE": str(world),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+        }
         logs.append(tempfile.TemporaryFile("w+"))
-        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), *args], env=env, stdout=logs[-1], stderr=subprocess.STDOUT
+            )
+        )
     deadline = time.monotonic() + timeout
     for p in procs:
         try:
@@ -414,8 +547,13 @@ def test_lightning_adamw_steps_equal_dense(tmp_path):
     for step in range(hf_fit.STEPS):
         replica_losses = []
         for indices in (replicas[0][step], replicas[1][step]):
-            batch = {k: torch.stack([data[i][k] for i in indices]) for k in ("input_ids", "attention_mask", "labels")}
-            logits = dense(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            batch = {
+                k: torch.stack([data[i][k] for i in indices])
+                for k in ("input_ids", "attention_mask", "labels")
+            }
+            logits = dense(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+            ).logits
             replica_losses.append(shifted_loss(logits, batch["labels"]))
         loss = torch.stack(replica_losses).mean()
         loss.backward()
@@ -423,7 +561,10 @@ def test_lightning_adamw_steps_equal_dense(tmp_path):
         opt.zero_grad()
         losses.append(loss.item())
     for rec in records:
-        assert rel(torch.tensor(rec["loss"], dtype=F64), torch.tensor(losses, dtype=F64)) < LIGHTNING_TOL, (rec["loss"], losses)
+        assert rel(torch.tensor(rec["loss"], dtype=F64), torch.tensor(losses, dtype=F64)) < LIGHTNING_TOL, (
+            rec["loss"],
+            losses,
+        )
     checkpoint_to_pretrained(tmp_path / "last.ckpt", tmp_path / "from_ckpt")  # prefix "model." as recorded
     for folder in ("trained", "from_ckpt"):
         trained = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=F64).state_dict()

@@ -27,9 +27,20 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("lightning_3d", "deepspeed_3d")
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("core", ("lightning_3d.arguments", "lightning_3d.versions", "lightning_3d.comm", "lightning_3d.agreement",
-              "lightning_3d.grid", "lightning_3d.sharding", "lightning_3d.dense_twin", "lightning_3d.layout",
-              "lightning_3d.options")),
+    (
+        "core",
+        (
+            "lightning_3d.arguments",
+            "lightning_3d.versions",
+            "lightning_3d.comm",
+            "lightning_3d.agreement",
+            "lightning_3d.grid",
+            "lightning_3d.sharding",
+            "lightning_3d.dense_twin",
+            "lightning_3d.layout",
+            "lightning_3d.options",
+        ),
+    ),
     ("sharded state", ("lightning_3d.checkpoint", "lightning_3d.grad_norm")),
     ("runtime", ("lightning_3d.runtime",)),
     ("ops", ("lightning_3d.ops",)),
@@ -40,8 +51,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("integration", ("lightning_3d.strategy", "lightning_3d")),
     ("deepspeed", ("deepspeed_3d",)),
 ]
-INTEGRATION_LIBRARIES = {"lightning", "pytorch_lightning", "lightning_fabric", "deepspeed", "transformers", "litgpt",
-                         "safetensors", "huggingface_hub", "triton"}
+INTEGRATION_LIBRARIES = {
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "deepspeed",
+    "transformers",
+    "litgpt",
+    "safetensors",
+    "huggingface_hub",
+    "triton",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -86,7 +106,10 @@ def imports(name: str, file: Path, known: dict[str, Path]) -> list[tuple[str, in
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module
-            targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module for alias in node.names]
+            targets = [
+                f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module
+                for alias in node.names
+            ]
         else:
             continue
         for target in targets:
@@ -177,22 +200,33 @@ def test_no_import_circle():
     problems = []
     for component in cycles(edges):
         path = one_circle(component, edges)
-        steps = " -> ".join(f"{known[a].relative_to(ROOT)}:{where[a, b][0]}" for a, b in itertools.pairwise(path))
-        problems.append(f"{len(component)} modules import each other in a circle: {steps} -> {known[path[0]].relative_to(ROOT)}")
+        steps = " -> ".join(
+            f"{known[a].relative_to(ROOT)}:{where[a, b][0]}" for a, b in itertools.pairwise(path)
+        )
+        problems.append(
+            f"{len(component)} modules import each other in a circle: {steps} -> {known[path[0]].relative_to(ROOT)}"
+        )
     assert not problems, "\n".join(problems)
 
 
 def test_no_upward_import():
     edges, where, known = graph()
-    upward = [f"{known[a].relative_to(ROOT)}:{where[a, b][0]} (layer {LAYERS[layer_of(a)][0]!r}) imports {b} "
-              f"(layer {LAYERS[layer_of(b)][0]!r}, higher)"
-              for a in sorted(edges) for b in sorted(edges[a]) if layer_of(a) >= 0 and layer_of(b) > layer_of(a)]
+    upward = [
+        f"{known[a].relative_to(ROOT)}:{where[a, b][0]} (layer {LAYERS[layer_of(a)][0]!r}) imports {b} "
+        f"(layer {LAYERS[layer_of(b)][0]!r}, higher)"
+        for a in sorted(edges)
+        for b in sorted(edges[a])
+        if layer_of(a) >= 0 and layer_of(b) > layer_of(a)
+    ]
     assert not upward, "\n".join(upward)
 
 
 def _imports_integration(file: Path, known: dict[str, Path]) -> bool:
     name = next(m for m, f in known.items() if f == file)
-    return any(function is None and top in INTEGRATION_LIBRARIES for _, _, function, top in imports(name, file, known))
+    return any(
+        function is None and top in INTEGRATION_LIBRARIES
+        for _, _, function, top in imports(name, file, known)
+    )
 
 
 def test_imports_inside_functions_keep_an_integration_library_out():
@@ -203,8 +237,10 @@ def test_imports_inside_functions_keep_an_integration_library_out():
             if function is None or function == "__getattr__" or top not in PACKAGES:
                 continue
             if target not in known or not _imports_integration(known[target], known):
-                refused.append(f"{file.relative_to(ROOT)}:{line} imports {target} inside {function}(), which imports no "
-                               "integration library: import it at module level")
+                refused.append(
+                    f"{file.relative_to(ROOT)}:{line} imports {target} inside {function}(), which imports no "
+                    "integration library: import it at module level"
+                )
     assert not refused, "\n".join(refused)
 
 
@@ -212,16 +248,23 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(edges) == [["a", "b", "c"]] and one_circle(["a", "b", "c"], edges) == ["a", "b", "c", "a"]
     assert layer_of("lightning_3d.checkpoint.dense") < layer_of("lightning_3d.models.gpt3d")
-    assert layer_of("lightning_3d.strategy.base") == layer_of("lightning_3d") > layer_of("lightning_3d.cost.search")
+    assert (
+        layer_of("lightning_3d.strategy.base")
+        == layer_of("lightning_3d")
+        > layer_of("lightning_3d.cost.search")
+    )
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from ..models import GPT3D", "lightning_3d.models"),
-    ("from ..models.config import GPTConfig", "lightning_3d.models.config"),
-    ("from .. import checkpoint as ckpt", "lightning_3d.checkpoint"),
-    ("import lightning_3d.models.dense", "lightning_3d.models.dense"),
-    ("def f():\n    from .views import model_state", "lightning_3d.checkpoint.views"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from ..models import GPT3D", "lightning_3d.models"),
+        ("from ..models.config import GPTConfig", "lightning_3d.models.config"),
+        ("from .. import checkpoint as ckpt", "lightning_3d.checkpoint"),
+        ("import lightning_3d.models.dense", "lightning_3d.models.dense"),
+        ("def f():\n    from .views import model_state", "lightning_3d.checkpoint.views"),
+    ],
+)
 def test_imports_are_resolved(tmp_path, source, expected):
     file = tmp_path / "probe.py"
     file.write_text(source + "\n")

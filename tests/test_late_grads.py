@@ -12,18 +12,18 @@ backward that fails half-way leaves nothing a later step hands on; and the reduc
 starts as one collective equal those of its gradients one by one.
 """
 
+import harness
 import torch
 import torch.distributed as dist
+from checks import assert_close, on_grids, rel
+from test_gpt import batch, config, equivalence, pair
 from torch.nn.parallel import DistributedDataParallel
 
-import harness
-from checks import assert_close, on_grids, rel
 from lightning_3d import comm
 from lightning_3d.options import RuntimeOptions
 from lightning_3d.parallel import runtime_of
 from lightning_3d.runtime import late_grads
 from lightning_3d.sharding import get_spec, unshard_tensor
-from test_gpt import batch, config, equivalence, pair
 
 GRIDS = [(2, 1, 1), (2, 2, 1), (2, 1, 2)]  # in a world of 4: dp = 2, 1, 1
 
@@ -38,7 +38,9 @@ def _pending_share(grid, grads_at_end: bool, compile: bool = False) -> float:
     computed: every one with the option, none without."""
     if compile:
         torch.compiler.reset()
-    _, model = pair(grid, config("llama"), 3, options=RuntimeOptions(grads_at_end=grads_at_end, compile=compile))
+    _, model = pair(
+        grid, config("llama"), 3, options=RuntimeOptions(grads_at_end=grads_at_end, compile=compile)
+    )
     idx, targets = batch(grid, 4)
     seen = []
     weights, held = _block_weights(model), runtime_of(model).late_grads
@@ -97,13 +99,19 @@ def _ddp(grid, grads_at_end: bool) -> list:
 
 
 def late_job(grid):
-    errs = {f"regather_{k}": e for k, e in
-            equivalence(grid, "llama", RuntimeOptions(save_gathered=False, prefetch=True)).items()}
-    one_by_one = RuntimeOptions(prefetch_depth=2, gathered_together=1)  # gpt2 ties the embedding to the LM head
+    errs = {
+        f"regather_{k}": e
+        for k, e in equivalence(grid, "llama", RuntimeOptions(save_gathered=False, prefetch=True)).items()
+    }
+    one_by_one = RuntimeOptions(
+        prefetch_depth=2, gathered_together=1
+    )  # gpt2 ties the embedding to the LM head
     errs.update({f"one_by_one_{k}": e for k, e in equivalence(grid, "gpt2", one_by_one).items()})
     errs["pending_at_end"] = 1.0 - _pending_share(grid, True)
     errs["none_pending_without"] = _pending_share(grid, False)
-    if grid.size("y") == grid.size("z") == 1:  # the compiled blocks' custom ops leave them too, stacked weights included
+    if (
+        grid.size("y") == grid.size("z") == 1
+    ):  # the compiled blocks' custom ops leave them too, stacked weights included
         errs["pending_at_end_compiled"] = 1.0 - _pending_share(grid, True, compile=True)
     plain, late = _accumulated(grid, RuntimeOptions()), _accumulated(grid, RuntimeOptions(grads_at_end=True))
     errs.update({f"accumulated{n}": rel(g, ref) for n, (g, ref) in enumerate(zip(late, plain))})
@@ -111,7 +119,9 @@ def late_job(grid):
     fresh = _accumulated_fresh(grid)
     errs.update({f"after_failure{n}": rel(g, ref) for n, (g, ref) in enumerate(zip(after, fresh))})
     if grid.size("dp") > 1:
-        errs.update({f"ddp{n}": rel(g, ref) for n, (g, ref) in enumerate(zip(_ddp(grid, True), _ddp(grid, False)))})
+        errs.update(
+            {f"ddp{n}": rel(g, ref) for n, (g, ref) in enumerate(zip(_ddp(grid, True), _ddp(grid, False)))}
+        )
     return errs
 
 
@@ -125,8 +135,11 @@ def scattered_together_job():
     (reduce-scattered one by one); then the error a dim 0 the group does not divide raises."""
     group, g = dist.group.WORLD, dist.get_world_size()
     torch.manual_seed(dist.get_rank())
-    ts = [torch.randn(3 * g, 5, dtype=torch.float64), torch.randn(2 * g, dtype=torch.float64),
-          torch.randn(g, 2, 4, dtype=torch.float64)]
+    ts = [
+        torch.randn(3 * g, 5, dtype=torch.float64),
+        torch.randn(2 * g, dtype=torch.float64),
+        torch.randn(g, 2, 4, dtype=torch.float64),
+    ]
     same = []
     for items, dtype in ((ts, None), (ts, torch.float32), ([ts[0], ts[1].float()], None)):
         outs = comm.reduce_scatter_dim0_together(items, group, dtype)

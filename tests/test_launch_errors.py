@@ -19,31 +19,42 @@ from lightning_3d.cost import ModelShape
 from lightning_3d.strategy.failures import ConfigurationError
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"async_tp": "no"}, "async_tp must be True or False, got 'no'"),
-    ({"async_tp": 1}, "async_tp must be True or False, got 1"),
-    ({"timeout": datetime.timedelta(0)}, "timeout must be positive, got datetime.timedelta(0)"),
-    ({"timeout": float("inf")}, "timeout must be a positive, finite number of seconds, got inf"),
-    ({"timeout": -5}, "got -5"),
-    ({"grid": (2.7, 1, 1)}, "(2.7, 1, 1)"),
-    ({"grid": (2, 0, 1)}, "(2, 0, 1)"),
-    ({"grid": "221"}, "'221'"),
-    ({"zero_stage": True}, "zero_stage must be 0 or 1"),
-    ({"bucket_cap": 5}, "['bucket_cap'] are not DistributedDataParallel arguments"),
-    ({"process_group": None}, "device_ids and process_group are the strategy's"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"async_tp": "no"}, "async_tp must be True or False, got 'no'"),
+        ({"async_tp": 1}, "async_tp must be True or False, got 1"),
+        ({"timeout": datetime.timedelta(0)}, "timeout must be positive, got datetime.timedelta(0)"),
+        ({"timeout": float("inf")}, "timeout must be a positive, finite number of seconds, got inf"),
+        ({"timeout": -5}, "got -5"),
+        ({"grid": (2.7, 1, 1)}, "(2.7, 1, 1)"),
+        ({"grid": (2, 0, 1)}, "(2, 0, 1)"),
+        ({"grid": "221"}, "'221'"),
+        ({"zero_stage": True}, "zero_stage must be 0 or 1"),
+        ({"bucket_cap": 5}, "['bucket_cap'] are not DistributedDataParallel arguments"),
+        ({"process_group": None}, "device_ids and process_group are the strategy's"),
+    ],
+)
 def test_constructor_refuses_wrong_types_and_values(kwargs, message):
     with pytest.raises(ValueError) as error:
         Tensor3DStrategy(**kwargs)
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"grid": (3, 1, 1)}, "the world size 4 is not divisible by px·py·pz = 3"),
-    ({"grid": (2, 2, 1), "data_parallel_size": 2}, "world size 4 != data_parallel_size·px·py·pz = 2·4 = 8"),
-    ({"grid": (2, 2, 1), "model_shape": ModelShape(hidden=30, heads=4, seq=8, batch=4, layers=1)},
-     "does not split on the 2×2×1 grid with data_parallel_size=1: hidden % px·py != 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"grid": (3, 1, 1)}, "the world size 4 is not divisible by px·py·pz = 3"),
+        (
+            {"grid": (2, 2, 1), "data_parallel_size": 2},
+            "world size 4 != data_parallel_size·px·py·pz = 2·4 = 8",
+        ),
+        (
+            {"grid": (2, 2, 1), "model_shape": ModelShape(hidden=30, heads=4, seq=8, batch=4, layers=1)},
+            "does not split on the 2×2×1 grid with data_parallel_size=1: hidden % px·py != 0",
+        ),
+    ],
+)
 def test_grid_against_devices_is_refused_in_the_launching_process(kwargs, message):
     """``Trainer(...)`` raises at once, in this process: Lightning starts no other process."""
     import lightning.pytorch as pl
@@ -56,7 +67,13 @@ def test_grid_against_devices_is_refused_in_the_launching_process(kwargs, messag
 def test_an_error_inside_the_world_is_printed_once():
     """Timed from rank 0's ``configure_model`` to the exit (one machine-wide monotonic clock), not
     from the start: interpreters importing Lightning can take a minute on a loaded 2-core machine."""
-    run = subprocess.run([sys.executable, str(SCRIPTS / "bad_config.py")], env=_env(), capture_output=True, text=True, timeout=180)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bad_config.py")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     log = run.stdout + run.stderr
     started = re.search(r"configure_model at ([0-9.]+)", log)
     assert started, log[-4000:]

@@ -1,12 +1,22 @@
 """Every 3-D layer equals its torch.nn twin in float64 on every grid: output, input grad, param grads."""
 
+import harness
 import pytest
 import torch
 import torch.nn.functional as F
+from checks import (
+    GRIDS_8,
+    assert_close,
+    compare_module,
+    local,
+    nodes_named,
+    on_grids,
+    rel,
+    seed_for,
+    sums_replicas,
+)
 from torch import nn
 
-import harness
-from checks import GRIDS_8, assert_close, compare_module, local, nodes_named, on_grids, rel, seed_for, sums_replicas
 from lightning_3d import (
     CrossEntropyLoss3D,
     LayerNorm3D,
@@ -35,17 +45,27 @@ def _pair(make3d, makedense, grid, seed):
 
 def linear_job(grid, layout, bias):
     out_layout = "y" if layout == "z" else "z"
-    mod, dense = _pair(lambda g: Linear3D(N, K, bias=bias, input_layout=layout, grid=g, dtype=F64), lambda: nn.Linear(N, K, bias=bias), grid, 1)
+    mod, dense = _pair(
+        lambda g: Linear3D(N, K, bias=bias, input_layout=layout, grid=g, dtype=F64),
+        lambda: nn.Linear(N, K, bias=bias),
+        grid,
+        1,
+    )
     torch.manual_seed(seed_for(grid, 2))
     return compare_module(mod, dense, torch.randn(B, S, N, dtype=F64), layout, out_layout, grid, 3)
 
 
 def norm_job(grid, kind, layout):
-    make3d = {"layernorm": lambda g: LayerNorm3D(N, layout=layout, grid=g, dtype=F64),
-              "layernorm_nobias": lambda g: LayerNorm3D(N, bias=False, layout=layout, grid=g, dtype=F64),
-              "rmsnorm": lambda g: RMSNorm3D(N, eps=1e-6, layout=layout, grid=g, dtype=F64)}[kind]
-    makedense = {"layernorm": lambda: nn.LayerNorm(N), "layernorm_nobias": lambda: nn.LayerNorm(N, bias=False),
-                 "rmsnorm": lambda: nn.RMSNorm(N, eps=1e-6)}[kind]
+    make3d = {
+        "layernorm": lambda g: LayerNorm3D(N, layout=layout, grid=g, dtype=F64),
+        "layernorm_nobias": lambda g: LayerNorm3D(N, bias=False, layout=layout, grid=g, dtype=F64),
+        "rmsnorm": lambda g: RMSNorm3D(N, eps=1e-6, layout=layout, grid=g, dtype=F64),
+    }[kind]
+    makedense = {
+        "layernorm": lambda: nn.LayerNorm(N),
+        "layernorm_nobias": lambda: nn.LayerNorm(N, bias=False),
+        "rmsnorm": lambda: nn.RMSNorm(N, eps=1e-6),
+    }[kind]
     mod, dense = _pair(make3d, makedense, grid, 4)
     torch.manual_seed(seed_for(grid, 5))
     x = torch.randn(B, S, N, dtype=F64) * 3 + 1
@@ -71,8 +91,12 @@ def _stack_pair(grid, make=_Stack, *extra):
     with torch.no_grad():
         dense.ln.weight.normal_()
         dense.ln.bias.normal_()
-    mod = make(LayerNorm3D(N, grid=grid, dtype=F64), Linear3D(N, K, grid=grid, dtype=F64),
-               Linear3D(K, N, input_layout="y", grid=grid, dtype=F64), *extra)
+    mod = make(
+        LayerNorm3D(N, grid=grid, dtype=F64),
+        Linear3D(N, K, grid=grid, dtype=F64),
+        Linear3D(K, N, input_layout="y", grid=grid, dtype=F64),
+        *extra,
+    )
     for name in ("ln", "fc1", "fc2"):
         getattr(mod, name).load_dense_state_dict(getattr(dense, name).state_dict())
     return dense, mod
@@ -113,7 +137,9 @@ def at_once_job(grid):
 
 
 def embedding_job(grid):
-    mod, dense = _pair(lambda g: VocabParallelEmbedding3D(V, N, grid=g, dtype=F64), lambda: nn.Embedding(V, N), grid, 10)
+    mod, dense = _pair(
+        lambda g: VocabParallelEmbedding3D(V, N, grid=g, dtype=F64), lambda: nn.Embedding(V, N), grid, 10
+    )
     torch.manual_seed(seed_for(grid, 11))
     ids = torch.randint(0, V, (B, S))
     out_ref = dense(ids)
@@ -121,8 +147,10 @@ def embedding_job(grid):
     (out_ref * w).sum().backward()
     out = mod(ids)
     (out * local(w, "z", grid)).sum().backward()
-    return {"out": rel(out, local(out_ref, "z", grid)),
-            "dweight": rel(mod.weight.grad, shard_tensor(dense.weight.grad, get_spec(mod.weight), grid))}
+    return {
+        "out": rel(out, local(out_ref, "z", grid)),
+        "dweight": rel(mod.weight.grad, shard_tensor(dense.weight.grad, get_spec(mod.weight), grid)),
+    }
 
 
 def cross_entropy_job(grid):
@@ -135,8 +163,11 @@ def cross_entropy_job(grid):
     logits = local(logits_full.detach(), "y", grid).clone().requires_grad_()
     loss = CrossEntropyLoss3D(grid=grid)(logits, targets)
     loss.backward()
-    return {"loss": rel(loss, ref), "dlogits": rel(logits.grad, local(logits_full.grad, "y", grid)),
-            "dtype": 0.0 if loss.dtype == F64 else 1.0}
+    return {
+        "loss": rel(loss, ref),
+        "dlogits": rel(logits.grad, local(logits_full.grad, "y", grid)),
+        "dtype": 0.0 if loss.dtype == F64 else 1.0,
+    }
 
 
 @pytest.mark.parametrize("layout", ["z", "y"])
@@ -168,11 +199,13 @@ def test_vocab_parallel_cross_entropy():
 
 
 def all_layers_job(grid):
-    return {**{f"linear_{k}": v for k, v in linear_job(grid, "y", True).items()},
-            **{f"stack_{k}": v for k, v in stack_job(grid).items()},
-            **{f"emb_{k}": v for k, v in embedding_job(grid).items()},
-            **{f"ce_{k}": v for k, v in cross_entropy_job(grid).items()},
-            **{f"rms_{k}": v for k, v in norm_job(grid, "rmsnorm", "y").items()}}
+    return {
+        **{f"linear_{k}": v for k, v in linear_job(grid, "y", True).items()},
+        **{f"stack_{k}": v for k, v in stack_job(grid).items()},
+        **{f"emb_{k}": v for k, v in embedding_job(grid).items()},
+        **{f"ce_{k}": v for k, v in cross_entropy_job(grid).items()},
+        **{f"rms_{k}": v for k, v in norm_job(grid, "rmsnorm", "y").items()},
+    }
 
 
 def test_layers_on_2x1x1_with_dp2():

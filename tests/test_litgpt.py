@@ -47,14 +47,40 @@ F32_TOL = 1e-6
 
 COMMON = dict(block_size=16, n_layer=2, n_embd=32, n_head=4, vocab_size=V, padded_vocab_size=PADDED)
 CONFIGS = {
-    "pythia": dict(COMMON, parallel_residual=True, norm_class_name="LayerNorm", mlp_class_name="GptNeoxMLP",
-                   rotary_percentage=0.5, bias=True),
-    "llama": dict(COMMON, n_query_groups=2, parallel_residual=False, norm_class_name="RMSNorm", norm_eps=1e-5,
-                  mlp_class_name="LLaMAMLP", intermediate_size=48, rotary_percentage=1.0, bias=False),
-    "phi": dict(COMMON, parallel_residual=True, shared_attention_norm=True, norm_class_name="LayerNorm",
-                mlp_class_name="GptNeoxMLP", gelu_approximate="tanh", rotary_percentage=0.5, bias=True, lm_head_bias=True),
+    "pythia": dict(
+        COMMON,
+        parallel_residual=True,
+        norm_class_name="LayerNorm",
+        mlp_class_name="GptNeoxMLP",
+        rotary_percentage=0.5,
+        bias=True,
+    ),
+    "llama": dict(
+        COMMON,
+        n_query_groups=2,
+        parallel_residual=False,
+        norm_class_name="RMSNorm",
+        norm_eps=1e-5,
+        mlp_class_name="LLaMAMLP",
+        intermediate_size=48,
+        rotary_percentage=1.0,
+        bias=False,
+    ),
+    "phi": dict(
+        COMMON,
+        parallel_residual=True,
+        shared_attention_norm=True,
+        norm_class_name="LayerNorm",
+        mlp_class_name="GptNeoxMLP",
+        gelu_approximate="tanh",
+        rotary_percentage=0.5,
+        bias=True,
+        lm_head_bias=True,
+    ),
 }
-CONFIGS["qwen"] = dict(CONFIGS["llama"], attn_bias=True)  # Qwen2.5's q/k/v biases: the bias rows reordered too
+CONFIGS["qwen"] = dict(
+    CONFIGS["llama"], attn_bias=True
+)  # Qwen2.5's q/k/v biases: the bias rows reordered too
 
 
 def exact_rope(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +143,12 @@ def equivalence(grid, name: str, tied: bool = False) -> dict:
     loss = cross_entropy(model, logits, targets)
     loss.backward()
     full = gather_activation(logits.detach(), "y", grid)
-    errs = {"loss": rel(loss.detach(), ref_loss.detach()), "logits": rel(full[..., :PADDED], ref_logits.detach()),
-            "padded_logits_lowest": float(not (full[..., PADDED:] == torch.finfo(F64).min).all()),
-            "f32_rope": max(rel(own.double(), exact) for own, exact in zip(own_rope, exact_rope(dense)))}
+    errs = {
+        "loss": rel(loss.detach(), ref_loss.detach()),
+        "logits": rel(full[..., :PADDED], ref_logits.detach()),
+        "padded_logits_lowest": float(not (full[..., PADDED:] == torch.finfo(F64).min).all()),
+        "f32_rope": max(rel(own.double(), exact) for own, exact in zip(own_rope, exact_rope(dense))),
+    }
     weights = dense_state_dict(model)
     original = GPT(dense.config).to(F64)
     original.load_state_dict(weights, strict=True)
@@ -140,8 +169,13 @@ def sweep_job(grid) -> dict:
 
 def assert_within_tolerances(results: list) -> None:
     """Float64 errors below 1e-10; LitGPT's float32 RoPE tables (``f32_``) below 1e-6."""
-    assert_close([{g: {k: e for k, e in errs.items() if "f32_" not in k} for g, errs in r.items()} for r in results])
-    assert_close([{g: {k: e for k, e in errs.items() if "f32_" in k} for g, errs in r.items()} for r in results], F32_TOL)
+    assert_close(
+        [{g: {k: e for k, e in errs.items() if "f32_" not in k} for g, errs in r.items()} for r in results]
+    )
+    assert_close(
+        [{g: {k: e for k, e in errs.items() if "f32_" in k} for g, errs in r.items()} for r in results],
+        F32_TOL,
+    )
 
 
 def test_litgpt_models_equal_litgpt_on_grids():
@@ -171,10 +205,22 @@ def refusals(grid) -> dict:
     moe = built(mlp_class_name="LLaMAMoE", n_expert=2, n_expert_per_token=1, moe_intermediate_size=16)
     expected = {
         "moe": (lambda: parallelize(moe, grid=grid), "mlp_class_name='LLaMAMoE'"),
-        "sliding_window": (lambda: parallelize(built(sliding_window_size=4), grid=grid), "sliding_window_size=None"),
-        "unit_offset_norm": (lambda: parallelize(built(name="Gemma-tiny"), grid=grid), "transformer.h.0.norm_1"),
-        "softcapping": (lambda: parallelize(built(final_logit_softcapping=30.0), grid=grid), "final_logit_softcapping"),
-        "query_groups": (lambda: parallelize(built(n_query_groups=1), grid=grid), "1 query groups (key/value heads)"),
+        "sliding_window": (
+            lambda: parallelize(built(sliding_window_size=4), grid=grid),
+            "sliding_window_size=None",
+        ),
+        "unit_offset_norm": (
+            lambda: parallelize(built(name="Gemma-tiny"), grid=grid),
+            "transformer.h.0.norm_1",
+        ),
+        "softcapping": (
+            lambda: parallelize(built(final_logit_softcapping=30.0), grid=grid),
+            "final_logit_softcapping",
+        ),
+        "query_groups": (
+            lambda: parallelize(built(n_query_groups=1), grid=grid),
+            "1 query groups (key/value heads)",
+        ),
         "kv_cache": (lambda: plain(ids, input_pos=torch.arange(S)), "keeps no KV cache"),
         "set_kv_cache": (lambda: plain.set_kv_cache(B), "keeps no KV cache"),
         "batch": (lambda: plain(ids[:1]), "multiple of lcm(px·py, px·pz) = 2"),
@@ -185,8 +231,9 @@ def refusals(grid) -> dict:
     from lightning_3d.litgpt import cross_entropy
 
     chunks = plain(ids, lm_head_chunk_size=3)  # LitGPT's chunks of the sequence, each a y-layout block
-    errs["lm_head_chunks"] = float(len(chunks) != 3) + rel(cross_entropy(plain, chunks, targets).detach(),
-                                                          cross_entropy(plain, plain(ids), targets).detach())
+    errs["lm_head_chunks"] = float(len(chunks) != 3) + rel(
+        cross_entropy(plain, chunks, targets).detach(), cross_entropy(plain, plain(ids), targets).detach()
+    )
     errs["found_by_class"] = float(find_plan(built()).rules["lm_head"].__class__.__name__ != "LMHead")
     return errs
 
@@ -254,8 +301,14 @@ ROOT = Path(__file__).parent.parent
 
 
 def _run(*cmd: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    run = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
-                         text=True, timeout=timeout)
+    run = subprocess.run(
+        [sys.executable, *cmd],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run
 
@@ -266,8 +319,25 @@ def test_fabric_example_trains_resumes_and_exports(tmp_path):
     from litgpt import Config
     from litgpt.model import GPT
 
-    common = ["examples/fabric_litgpt.py", "--devices", "2", "--grid", "1,2,1", "--seq-len", "16", "--batch-size", "2",
-              "--max-bytes", "100000", "--save-every", "2", "--log-every", "1", "--out", str(tmp_path)]
+    common = [
+        "examples/fabric_litgpt.py",
+        "--devices",
+        "2",
+        "--grid",
+        "1,2,1",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--max-bytes",
+        "100000",
+        "--save-every",
+        "2",
+        "--log-every",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     first = _run(*common, "--max-steps", "2").stdout
     assert "step     2/2" in first and "step-000002" in first, first[-2000:]
     second = _run(*common, "--max-steps", "3", "--resume").stdout
@@ -281,5 +351,12 @@ def test_benchmark_cpu_smoke(tmp_path):
     _run("benchmarks/litgpt_fabric.py", "--cpu", "--no-compile", "--steps", "1", "--out", str(tmp_path))
     report = json.loads((tmp_path / "litgpt_fabric.json").read_text())
     single, grid = (next(r for r in report["runs"] if r["case"] == case) for case in ("single", "tensor3d"))
-    assert single["tokens_per_s"] > 0 and grid["tokens_per_s"] > 0 and report["tensor3d_over_single"]["tokens_per_s"] > 0
-    assert abs(single["losses"][0] - grid["losses"][0]) < 1e-5 * single["losses"][0], (single["losses"], grid["losses"])
+    assert (
+        single["tokens_per_s"] > 0
+        and grid["tokens_per_s"] > 0
+        and report["tensor3d_over_single"]["tokens_per_s"] > 0
+    )
+    assert abs(single["losses"][0] - grid["losses"][0]) < 1e-5 * single["losses"][0], (
+        single["losses"],
+        grid["losses"],
+    )

@@ -5,6 +5,7 @@ import os
 
 import harness
 from checks import gloo_threads
+
 from lightning_3d import cost
 
 COUNTS_THREADS = os.path.isdir("/proc/self/task")
@@ -17,7 +18,9 @@ def measure_job(gpus_per_node):
 
     before = gloo_threads()
     rates = measure_machine(torch.device("cpu"), gpus_per_node, CPU).rates()
-    assert not COUNTS_THREADS or gloo_threads() == before, f"measure_machine left {gloo_threads() - before} gloo groups"
+    assert not COUNTS_THREADS or gloo_threads() == before, (
+        f"measure_machine left {gloo_threads() - before} gloo groups"
+    )
     return rates
 
 
@@ -30,11 +33,16 @@ def test_two_ranks_on_one_node_measure_links_of_size_2():
         assert link["busbw_GBps"] > 0 and link["latency_us"] > 0
     assert all(r["intra"] == rates["intra"] for r in ranks)  # the slowest rank's times, the same everywhere
     machine = cost.Machine.from_rates(rates)
-    assert machine.rates() == rates and machine.link("all_reduce", 2, False).busbw_GBps == rates["intra"]["all_reduce"]["2"]["busbw_GBps"]
+    assert (
+        machine.rates() == rates
+        and machine.link("all_reduce", 2, False).busbw_GBps == rates["intra"]["all_reduce"]["2"]["busbw_GBps"]
+    )
 
 
 def test_one_rank_per_node_measures_the_links_between_nodes():
     rates = harness.run(2, measure_job, 1)[0]
     assert rates["gpus_per_node"] == 1
     assert all(rates["inter"][op]["busbw_GBps"] > 0 for op in cost.OPS)
-    assert rates["intra"] == cost.DEFAULT_MACHINE.rates()["intra"]  # no group inside a node: the defaults stay
+    assert (
+        rates["intra"] == cost.DEFAULT_MACHINE.rates()["intra"]
+    )  # no group inside a node: the defaults stay

@@ -16,9 +16,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_host_calls_micro_benchmark_on_cpu(tmp_path, processes, rows):
     """Every call of a 3-D product the host-cost benchmark times runs on 2 gloo ranks and is timed;
     on one process, the products and the trivial op only."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-           os.path.join(ROOT, "benchmarks", "micro", "host_calls.py"), "--width", "16", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(processes),
+        os.path.join(ROOT, "benchmarks", "micro", "host_calls.py"),
+        "--width",
+        "16",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(tmp_path / "host_calls.json") as f:
         timed = json.load(f)["us_per_call"]
@@ -27,17 +40,35 @@ def test_host_calls_micro_benchmark_on_cpu(tmp_path, processes, rows):
 
 def test_group_order_micro_benchmark_on_cpu():
     """Both orders of putting heads in order and rotating give the same q, k, v; every case is timed."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "micro", "bench_group_order.py"), "--cpu", "--iters", "1"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "micro", "bench_group_order.py"),
+        "--cpu",
+        "--iters",
+        "1",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert len(re.findall(r"forward \d+\.\d+ ms   forward \+ backward \d+\.\d+ ms", proc.stdout)) == 4, proc.stdout
+    assert len(re.findall(r"forward \d+\.\d+ ms   forward \+ backward \d+\.\d+ ms", proc.stdout)) == 4, (
+        proc.stdout
+    )
     assert "largest difference between the two orders: 0" in proc.stdout, proc.stdout
 
 
 def test_packed_elementwise_micro_benchmark_on_cpu(tmp_path):
     """Every case of the packed SwiGLU and RoPE benchmark is compiled and timed, forward + backward."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "micro", "packed_elementwise.py"), "--cpu", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=400)
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "micro", "packed_elementwise.py"),
+        "--cpu",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=400
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     with open(tmp_path / "packed_elementwise.json") as f:
         timed = json.load(f)["us"]

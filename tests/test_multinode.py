@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
 
 import common
@@ -38,7 +36,11 @@ def _free_port() -> int:
 
 def _env(**extra) -> dict:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+    }
     return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
@@ -61,8 +63,12 @@ def run_two_nodes(commands: list[list[str]], envs: list[dict], out: Path) -> flo
     """Start one launcher per node, wait for both; fail, with their logs, on an error or past ``DEADLINE``."""
     start = time.monotonic()
     logs = [out / f"node{k}.log" for k in range(len(commands))]
-    procs = [subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-             for cmd, env, log in zip(commands, envs, logs)]
+    procs = [
+        subprocess.Popen(
+            cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+        for cmd, env, log in zip(commands, envs, logs)
+    ]
     try:
         while time.monotonic() - start < DEADLINE and any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for p in procs):
@@ -72,8 +78,10 @@ def run_two_nodes(commands: list[list[str]], envs: list[dict], out: Path) -> flo
     finally:
         _end(procs, out)
     if codes != [0] * len(procs):
-        tails = "\n".join(f"--- node {k} (exit {c}) ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-                          for k, (c, log) in enumerate(zip(codes, logs)))
+        tails = "\n".join(
+            f"--- node {k} (exit {c}) ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+            for k, (c, log) in enumerate(zip(codes, logs))
+        )
         raise AssertionError(f"two-node run failed or hung past {DEADLINE:.0f}s: exits {codes}\n{tails}")
     return time.monotonic() - start
 
@@ -95,7 +103,11 @@ def assert_cube_placement(recs: list[dict], axes: list[str]) -> None:
 
 
 def assert_close(got: list[float], want: list[float], what: str) -> None:
-    assert len(got) == len(want) and max(abs(a - b) / abs(b) for a, b in zip(got, want)) < TOL, (what, got, want)
+    assert len(got) == len(want) and max(abs(a - b) / abs(b) for a, b in zip(got, want)) < TOL, (
+        what,
+        got,
+        want,
+    )
 
 
 def test_auto_grid_keeps_each_cube_inside_a_node():
@@ -119,8 +131,27 @@ def test_lightning_num_nodes_2(tmp_path):
 
 def test_torchrun_nnodes_2(tmp_path):
     port = str(_free_port())
-    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k),
-             "--master-addr", "127.0.0.1", "--master-port", port, str(SCRIPT), "torch", str(tmp_path)] for k in range(2)]
+    cmds = [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--node-rank",
+            str(k),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+            str(SCRIPT),
+            "torch",
+            str(tmp_path),
+        ]
+        for k in range(2)
+    ]
     run_two_nodes(cmds, [_env()] * 2, tmp_path)
     recs = _records(tmp_path, "torch")
     assert len(recs) == 4

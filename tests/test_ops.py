@@ -1,10 +1,10 @@
 """The three 3-D matmul forms, saving or re-gathering operands, equal dense float64 on every grid."""
 
+import harness
 import pytest
 import torch
-
-import harness
 from checks import GRIDS_8, assert_close, local, on_grids, rel, seed_for
+
 from lightning_3d import matmul_ab, matmul_abt, matmul_atb
 from lightning_3d.options import RuntimeOptions
 from lightning_3d.sharding import ShardSpec, shard_tensor
@@ -16,7 +16,13 @@ F64 = torch.float64
 FORMS = {
     "ab": (matmul_ab, "z", ((("z", "x"), ("y",)), (N, K)), "y", lambda a, b: a @ b),
     "abt": (matmul_abt, "z", ((("y", "x"), ("z",)), (K, N)), "y", lambda a, b: a @ b.t()),
-    "atb": (matmul_atb, "y", "z", ((("y", "x"), ("z",)), (N, K)), lambda a, b: a.reshape(-1, N).t() @ b.reshape(-1, K)),
+    "atb": (
+        matmul_atb,
+        "y",
+        "z",
+        ((("y", "x"), ("z",)), (N, K)),
+        lambda a, b: a.reshape(-1, N).t() @ b.reshape(-1, K),
+    ),
 }
 
 
@@ -45,7 +51,11 @@ def matmul_job(grid, form, save_gathered, async_tp=False):
     b = shard_b(b_full.detach()).clone().requires_grad_()
     c = fn(a, b, grid=grid, options=RuntimeOptions(async_tp=async_tp, save_gathered=save_gathered))
     (c * shard_c(w)).sum().backward()
-    return {"out": rel(c, shard_c(c_ref)), "da": rel(a.grad, shard_a(a_full.grad)), "db": rel(b.grad, shard_b(b_full.grad))}
+    return {
+        "out": rel(c, shard_c(c_ref)),
+        "da": rel(a.grad, shard_a(a_full.grad)),
+        "db": rel(b.grad, shard_b(b_full.grad)),
+    }
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))

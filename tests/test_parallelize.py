@@ -6,17 +6,17 @@ import copy
 import subprocess
 import sys
 
+import harness
 import torch
 import torch.nn.functional as F
+from checks import assert_close, on_grids, rel, seed_for, value_error
 from torch import nn
 
-import harness
-from checks import assert_close, on_grids, rel, seed_for, value_error
 from lightning_3d.layers import Module3D
 from lightning_3d.options import RuntimeOptions
 from lightning_3d.parallel import (
-    LMHead,
     Linear,
+    LMHead,
     Loss,
     Norm,
     Plan,
@@ -41,7 +41,9 @@ class Block(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.ln = nn.LayerNorm(H, eps=1e-2)  # epsilons off the defaults, large enough to change float64 results
+        self.ln = nn.LayerNorm(
+            H, eps=1e-2
+        )  # epsilons off the defaults, large enough to change float64 results
         self.q, self.k, self.v = nn.Linear(H, H), nn.Linear(H, H, bias=False), nn.Linear(H, H)
         self.o = nn.Linear(H, H)
         self.rms = nn.RMSNorm(H, eps=1e-2)
@@ -50,7 +52,9 @@ class Block(nn.Module):
 
     def forward(self, x):
         h = self.ln(x)
-        q, k, v = (proj(h).unflatten(-1, (-1, H // HEADS)).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        q, k, v = (
+            proj(h).unflatten(-1, (-1, H // HEADS)).transpose(1, 2) for proj in (self.q, self.k, self.v)
+        )
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2)
         x = x + self.o(att)
         return x + self.fc2(F.gelu(self.fc1(self.rms(x))))
@@ -113,8 +117,13 @@ def equality_job(grid):
     errs = {}
     # the defaults (a block's weights gathered at once, weight gradients at the end), none of it,
     # and re-gathering under checkpointing with another prefetch
-    for run, options in enumerate([{}, dict(prefetch=False, grads_at_end=False),
-                                   dict(save_gathered=False, activation_checkpointing=True, prefetch_depth=3, gathered_together=3)]):
+    for run, options in enumerate(
+        [
+            {},
+            dict(prefetch=False, grads_at_end=False),
+            dict(save_gathered=False, activation_checkpointing=True, prefetch_depth=3, gathered_together=3),
+        ]
+    ):
         model = parallelize(copy.deepcopy(dense), plan(), grid=grid)
         set_options(model, **options)
         for _ in range(2):  # prefetch follows the order recorded by the first forward
@@ -122,13 +131,22 @@ def equality_job(grid):
             loss = model(ids, targets)
             loss.backward()
         errs[f"{run}_loss"] = rel(loss.detach(), ref.detach())
-        wanted, fetched = RuntimeOptions(**options), runtime_of(model).prefetch  # the options' prefetch, where x gathers weights
-        errs[f"{run}_prefetch"] = float(wanted.prefetch and grid.size("x") > 1 and (fetched._forward.depth, fetched._forward.together)
-                                        != (wanted.prefetch_depth, wanted.gathered_together))
+        wanted, fetched = (
+            RuntimeOptions(**options),
+            runtime_of(model).prefetch,
+        )  # the options' prefetch, where x gathers weights
+        errs[f"{run}_prefetch"] = float(
+            wanted.prefetch
+            and grid.size("x") > 1
+            and (fetched._forward.depth, fetched._forward.together)
+            != (wanted.prefetch_depth, wanted.gathered_together)
+        )
         grads = _grads_as_dense(model)
         errs.update({f"{run}_d{k}": rel(grads[k], p.grad) for k, p in dense.named_parameters()})
     errs["keys"] = float(list(grads) != list(dense.state_dict()))
-    errs["is_3d"] = float(not all(isinstance(model.get_submodule(n), Module3D) for n in ("tok", "blocks.1.fc2", "head")))
+    errs["is_3d"] = float(
+        not all(isinstance(model.get_submodule(n), Module3D) for n in ("tok", "blocks.1.fc2", "head"))
+    )
     return errs
 
 
@@ -147,23 +165,33 @@ def prefetch_options_job(grid):
 
     def run(model, options_per_forward):
         in_flight, losses = [], []
-        model.blocks[0].q.register_forward_hook(lambda *_: in_flight.append(len(runtime_of(model).prefetch._forward.ahead)))
+        model.blocks[0].q.register_forward_hook(
+            lambda *_: in_flight.append(len(runtime_of(model).prefetch._forward.ahead))
+        )
         for options in options_per_forward:
             set_options(model, **options)
             with torch.no_grad():
                 losses.append(model(ids, ids))
         return in_flight, all(torch.equal(loss, losses[0]) for loss in losses)
 
-    changed = run(parallelize(copy.deepcopy(dense), plan(), grid=grid), [{}, {}, changes[0], {}, changes[1], {}])
-    fresh = [run(parallelize(copy.deepcopy(dense), plan(), grid=grid), [options, {}])[0]
-             for options in (changes[0], {**changes[0], **changes[1]})]
+    changed = run(
+        parallelize(copy.deepcopy(dense), plan(), grid=grid), [{}, {}, changes[0], {}, changes[1], {}]
+    )
+    fresh = [
+        run(parallelize(copy.deepcopy(dense), plan(), grid=grid), [options, {}])[0]
+        for options in (changes[0], {**changes[0], **changes[1]})
+    ]
     return changed, fresh
 
 
 def test_prefetch_options_set_after_the_first_forward_take_effect():
-    for (changed, same_losses), fresh in harness.run(2, on_grids, [(2, 1, 1)], prefetch_options_job)[0].values():
+    for (changed, same_losses), fresh in harness.run(2, on_grids, [(2, 1, 1)], prefetch_options_job)[
+        0
+    ].values():
         assert fresh == [[0, 1], [0, 2]], fresh  # a first forward records the order; one ahead, two ahead
-        assert changed[:2] == [0, 7] and changed[2:] == fresh[0] + fresh[1], changed  # as if set before a first forward
+        assert changed[:2] == [0, 7] and changed[2:] == fresh[0] + fresh[1], (
+            changed
+        )  # as if set before a first forward
         assert same_losses
 
 
@@ -176,10 +204,12 @@ def meta_job(grid):
         meta = TinyLM()
     meta = parallelize(meta, plan(), grid=grid, device="cpu")
     a, b = real.state_dict(), meta.state_dict()
-    return {"keys": float(list(a) != list(b)),
-            "shards": float(max((a[k] - b[k]).abs().max() for k in a)),
-            "specs": float(any(get_spec(p) is None for p in meta.parameters())),
-            "on_meta": float(any(t.is_meta for t in b.values()))}
+    return {
+        "keys": float(list(a) != list(b)),
+        "shards": float(max((a[k] - b[k]).abs().max() for k in a)),
+        "specs": float(any(get_spec(p) is None for p in meta.parameters())),
+        "on_meta": float(any(t.is_meta for t in b.values())),
+    }
 
 
 def test_meta_build_equals_materialised_build():
@@ -192,10 +222,12 @@ def errors_job(grid):
     del no_fc2.rules["blocks.*.fc2"]
     unused = plan()
     unused.rules["blocks.*.gate"] = Linear("z")
-    msgs = {"unmapped": value_error(lambda: parallelize(model, no_fc2, grid=grid)),
-            "unused": value_error(lambda: parallelize(model, unused, grid=grid)),
-            "no_plan": value_error(lambda: parallelize(model, grid=grid)),
-            "split": value_error(lambda: parallelize(model, plan(), grid=harness.grid((1, 8, 1))))}
+    msgs = {
+        "unmapped": value_error(lambda: parallelize(model, no_fc2, grid=grid)),
+        "unused": value_error(lambda: parallelize(model, unused, grid=grid)),
+        "no_plan": value_error(lambda: parallelize(model, grid=grid)),
+        "split": value_error(lambda: parallelize(model, plan(), grid=harness.grid((1, 8, 1)))),
+    }
     harness.grid(grid.shape)
     msgs["unchanged"] = not any(isinstance(m, Module3D) for m in model.modules())
     parallelize(model, plan(), grid=grid)
@@ -207,11 +239,18 @@ def errors_job(grid):
 
 def test_unmapped_modules_and_bad_plans_are_refused():
     msgs = harness.run(8, on_grids, [(2, 2, 2)], errors_job)[0][(2, 2, 2)]
-    assert "blocks.0.fc2 (Linear)" in msgs["unmapped"] and "blocks.1.fc2 (Linear)" in msgs["unmapped"], msgs["unmapped"]
-    assert "'blocks.*.fc2': Linear(\"z\") or Linear(\"y\")" in msgs["unmapped"], msgs["unmapped"]
+    assert "blocks.0.fc2 (Linear)" in msgs["unmapped"] and "blocks.1.fc2 (Linear)" in msgs["unmapped"], msgs[
+        "unmapped"
+    ]
+    assert '\'blocks.*.fc2\': Linear("z") or Linear("y")' in msgs["unmapped"], msgs["unmapped"]
     assert "['blocks.*.gate'] match no module of TinyLM" in msgs["unused"], msgs["unused"]
-    assert "no built-in plan for TinyLM" in msgs["no_plan"] and "register_plan('TinyLM'" in msgs["no_plan"], msgs["no_plan"]
-    assert msgs["split"].startswith("blocks.0.fc1: ") and "dim 0 of size 12 is split over py=8·px=1 = 8 ranks" in msgs["split"], msgs["split"]
+    assert "no built-in plan for TinyLM" in msgs["no_plan"] and "register_plan('TinyLM'" in msgs["no_plan"], (
+        msgs["no_plan"]
+    )
+    assert (
+        msgs["split"].startswith("blocks.0.fc1: ")
+        and "dim 0 of size 12 is split over py=8·px=1 = 8 ranks" in msgs["split"]
+    ), msgs["split"]
     assert msgs["unchanged"] is True
     assert "already holds 3-D layers" in msgs["twice"]
     assert "unknown RuntimeOptions fields ['asynctp']" in msgs["option"], msgs["option"]

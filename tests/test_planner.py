@@ -33,7 +33,11 @@ def test_grid_error_names_the_broken_rule():
 def test_best_grid_is_the_fastest_feasible_candidate():
     grid = cost.best_grid(4096, 32, 2048, 8, 4, world=4)
     options = cost.candidates(A, 4)
-    assert grid == options[0].grid and sum(options[0].grid) >= 3 and options[0].dp == 4 // (grid[0] * grid[1] * grid[2])
+    assert (
+        grid == options[0].grid
+        and sum(options[0].grid) >= 3
+        and options[0].dp == 4 // (grid[0] * grid[1] * grid[2])
+    )
 
 
 def test_best_grid_errors():
@@ -46,17 +50,28 @@ def test_best_grid_errors():
 
 def test_nodes_slow_groups_that_span_them():
     m = cost.DEFAULT_MACHINE
-    inside, across = cost.predict_3d(A, (8, 1, 1), 1, m), cost.predict_3d(A, (8, 1, 1), 1, replace(m, gpus_per_node=4))
+    inside, across = (
+        cost.predict_3d(A, (8, 1, 1), 1, m),
+        cost.predict_3d(A, (8, 1, 1), 1, replace(m, gpus_per_node=4)),
+    )
     assert across.comm_ms > 2 * inside.comm_ms
 
 
-@pytest.mark.parametrize("grid, dp, gpus, axes", [
-    ((2, 2, 2), 2, 8, ("dp",)),  # a cube per node, dp across
-    ((2, 2, 2), 2, 4, ("dp", "x")),  # a cube on two nodes of 4: x (weights) across, y and z (activations) inside
-    ((1, 4, 2), 1, 4, ("y",)),
-    ((2, 2, 2), 2, 16, ()),
-    ((4, 1, 1), 4, 8, ("dp",)),
-])
+@pytest.mark.parametrize(
+    "grid, dp, gpus, axes",
+    [
+        ((2, 2, 2), 2, 8, ("dp",)),  # a cube per node, dp across
+        (
+            (2, 2, 2),
+            2,
+            4,
+            ("dp", "x"),
+        ),  # a cube on two nodes of 4: x (weights) across, y and z (activations) inside
+        ((1, 4, 2), 1, 4, ("y",)),
+        ((2, 2, 2), 2, 16, ()),
+        ((4, 1, 1), 4, 8, ("dp",)),
+    ],
+)
 def test_node_axes_follow_the_rank_order(grid, dp, gpus, axes):
     assert cost.node_axes(grid, dp, replace(cost.DEFAULT_MACHINE, gpus_per_node=gpus)) == axes
 
@@ -67,9 +82,13 @@ def test_inter_node_links_price_exactly_the_groups_that_span_nodes():
     one_node, dp_across, x_across = (cost.predict_3d(A, (2, 2, 2), 2, nodes_of[g]) for g in (16, 8, 4))
     # dp across nodes: only the gradient all-reduce moves to the slower link
     assert dp_across.detail["dp_sync_ms"] > 5 * one_node.detail["dp_sync_ms"]
-    assert dp_across.comm_ms - dp_across.detail["dp_sync_ms"] == pytest.approx(one_node.comm_ms - one_node.detail["dp_sync_ms"])
+    assert dp_across.comm_ms - dp_across.detail["dp_sync_ms"] == pytest.approx(
+        one_node.comm_ms - one_node.detail["dp_sync_ms"]
+    )
     # x across nodes too: the weight gathers slow down
-    assert x_across.comm_ms > dp_across.comm_ms and x_across.detail["dp_sync_ms"] == pytest.approx(dp_across.detail["dp_sync_ms"])
+    assert x_across.comm_ms > dp_across.comm_ms and x_across.detail["dp_sync_ms"] == pytest.approx(
+        dp_across.detail["dp_sync_ms"]
+    )
     # a faster network narrows the gap
     fast = replace(nodes_of[4], inter={op: cost.Link(360.0, 40.0) for op in cost.OPS})
     assert cost.predict_3d(A, (2, 2, 2), 2, fast).comm_ms < x_across.comm_ms
@@ -78,7 +97,10 @@ def test_inter_node_links_price_exactly_the_groups_that_span_nodes():
 def test_collective_matmuls_only_on_cubes_inside_a_node():
     two_nodes = replace(cost.DEFAULT_MACHINE, gpus_per_node=8)
     shape = cost.ModelShape(8192, 64, 2048, 16, 48)
-    assert all(8 % (p.grid[0] * p.grid[1] * p.grid[2]) == 0 for p in cost.candidates(shape, 16, two_nodes, async_tp=True))
+    assert all(
+        8 % (p.grid[0] * p.grid[1] * p.grid[2]) == 0
+        for p in cost.candidates(shape, 16, two_nodes, async_tp=True)
+    )
     assert max(p.grid[0] * p.grid[1] * p.grid[2] for p in cost.candidates(shape, 16, two_nodes)) == 16
 
 
@@ -86,18 +108,25 @@ def test_collective_matmuls_hide_the_activation_collectives():
     """At h=8192 on 1×4×1 each block's product outlasts its copy: only the pipelines' barriers stay exposed."""
     plain, fused = cost.predict_3d(B, (1, 4, 1)), cost.predict_3d(B, (1, 4, 1), async_tp=True)
     assert fused.exposed_comm_ms < 0.7 * plain.exposed_comm_ms and fused.step_ms < plain.step_ms
-    assert cost.predict_3d(B, (4, 1, 1), async_tp=True).step_ms == cost.predict_3d(B, (4, 1, 1)).step_ms  # no activation axis
+    assert (
+        cost.predict_3d(B, (4, 1, 1), async_tp=True).step_ms == cost.predict_3d(B, (4, 1, 1)).step_ms
+    )  # no activation axis
 
 
-@pytest.mark.parametrize("nodes, hidden, heads, layers, batch, auto, across, with_async_tp", [
-    (2, 2048, 16, 24, 16, ((8, 1, 1), 2), ("dp",), ((8, 1, 1), 2)),
-    (2, 4096, 32, 32, 8, ((2, 4, 2), 1), ("x",), ((1, 4, 2), 2)),
-    (2, 8192, 64, 48, 4, ((1, 4, 4), 1), ("y",), None),
-    (16, 2048, 16, 24, 128, ((8, 1, 1), 16), ("dp",), ((8, 1, 1), 16)),
-    (16, 4096, 32, 32, 64, ((4, 4, 2), 4), ("dp", "x"), ((1, 4, 2), 16)),
-    (16, 8192, 64, 48, 32, ((4, 4, 4), 2), ("dp", "x", "y"), None),
-])
-def test_auto_grids_on_nodes_of_8_as_docs_cluster_states(nodes, hidden, heads, layers, batch, auto, across, with_async_tp):
+@pytest.mark.parametrize(
+    "nodes, hidden, heads, layers, batch, auto, across, with_async_tp",
+    [
+        (2, 2048, 16, 24, 16, ((8, 1, 1), 2), ("dp",), ((8, 1, 1), 2)),
+        (2, 4096, 32, 32, 8, ((2, 4, 2), 1), ("x",), ((1, 4, 2), 2)),
+        (2, 8192, 64, 48, 4, ((1, 4, 4), 1), ("y",), None),
+        (16, 2048, 16, 24, 128, ((8, 1, 1), 16), ("dp",), ((8, 1, 1), 16)),
+        (16, 4096, 32, 32, 64, ((4, 4, 2), 4), ("dp", "x"), ((1, 4, 2), 16)),
+        (16, 8192, 64, 48, 32, ((4, 4, 4), 2), ("dp", "x", "y"), None),
+    ],
+)
+def test_auto_grids_on_nodes_of_8_as_docs_cluster_states(
+    nodes, hidden, heads, layers, batch, auto, across, with_async_tp
+):
     from lightning_3d.strategy import grid_rules
 
     shape, world = cost.ModelShape(hidden, heads, 2048, batch, layers), 8 * nodes
@@ -113,15 +142,27 @@ def test_auto_grids_on_nodes_of_8_as_docs_cluster_states(nodes, hidden, heads, l
 # ------------------------------------------------------------------ the whole training job
 
 LLAMA_7B = cost.ModelShape(4096, 32, 2048, 8, 32, 11008, kv_heads=8, gated=True, vocab=32000)
-SLOW = replace(cost.DEFAULT_MACHINE, intra={op: {g: cost.Link(15.0, 50.0) for g in table}
-                                               for op, table in cost.DEFAULT_MACHINE.intra.items()})
+SLOW = replace(
+    cost.DEFAULT_MACHINE,
+    intra={op: {g: cost.Link(15.0, 50.0) for g in table} for op, table in cost.DEFAULT_MACHINE.intra.items()},
+)
 
 
 def test_the_shape_of_a_gpt_config():
-    config = GPTConfig(vocab_size=32000, block_size=2048, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, style="llama",
-                       ffn_hidden=11008)
+    config = GPTConfig(
+        vocab_size=32000,
+        block_size=2048,
+        n_layer=32,
+        n_head=32,
+        n_kv_head=8,
+        n_embd=4096,
+        style="llama",
+        ffn_hidden=11008,
+    )
     assert cost.ModelShape.of(config, batch=8, seq=2048) == LLAMA_7B
-    gpt2 = cost.ModelShape.of(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768), 4, 1024)
+    gpt2 = cost.ModelShape.of(
+        GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768), 4, 1024
+    )
     assert gpt2 == cost.ModelShape(768, 12, 1024, 4, 12, 3072, kv_heads=12, gated=False, vocab=50257)
 
 
@@ -145,16 +186,28 @@ def test_whole_job_time_grows_with_layers_batch_and_slower_links():
     # the grid that moves more bytes loses more to the slow links
     grids = ((1, 4, 1), (2, 2, 1), (4, 1, 1))
     comm = {g: cost.predict_job(LLAMA_7B, g, 1, SLOW).comm_ms for g in grids}
-    slowdown = {g: cost.predict_job(LLAMA_7B, g, 1, SLOW).step_ms - cost.predict_job(LLAMA_7B, g, 1).step_ms for g in grids}
+    slowdown = {
+        g: cost.predict_job(LLAMA_7B, g, 1, SLOW).step_ms - cost.predict_job(LLAMA_7B, g, 1).step_ms
+        for g in grids
+    }
     assert sorted(grids, key=comm.get) == sorted(grids, key=slowdown.get)
 
 
 def test_slow_links_make_auto_pick_a_grid_that_communicates_less():
-    fields = {k: getattr(LLAMA_7B, k) for k in ("hidden", "heads", "seq", "batch", "layers", "ffn", "kv_heads", "gated", "vocab")}
+    fields = {
+        k: getattr(LLAMA_7B, k)
+        for k in ("hidden", "heads", "seq", "batch", "layers", "ffn", "kv_heads", "gated", "vocab")
+    }
     for world in (4, 8):
-        fast, slow = cost.best_grid(**fields, world=world), cost.best_grid(**fields, world=world, machine=SLOW)
+        fast, slow = (
+            cost.best_grid(**fields, world=world),
+            cost.best_grid(**fields, world=world, machine=SLOW),
+        )
         assert fast != slow
-        comm = {g: cost.predict_job(LLAMA_7B, g, world // (g[0] * g[1] * g[2]), SLOW).comm_ms for g in (fast, slow)}
+        comm = {
+            g: cost.predict_job(LLAMA_7B, g, world // (g[0] * g[1] * g[2]), SLOW).comm_ms
+            for g in (fast, slow)
+        }
         assert comm[slow] < comm[fast]
 
 
@@ -166,24 +219,36 @@ def test_auto_resolves_with_a_given_machine():
     assert fast[1] == slow[1] == 1 and fast[0] != slow[0]
 
 
-
 def test_grads_at_end_takes_a_share_of_the_weight_scatters_off():
     """``grads_at_end`` takes ``late_scatter_fraction`` of the reduce-scatters of the weights gathered
     over x off the step: nothing where px = 1, more where the weights' reduce-scatters are slower;
     with dp > 1 the dp reduction of those gradients starts after backward, hidden behind none of it."""
     none = replace(cost.DEFAULT_MACHINE, late_scatter_fraction=0.0)
     for grid, dp in (((4, 1, 1), 1), ((2, 2, 1), 1), ((2, 1, 1), 2)):
-        plain, late = cost.predict_job(LLAMA_7B, grid, dp), cost.predict_job(LLAMA_7B, grid, dp, grads_at_end=True)
+        plain, late = (
+            cost.predict_job(LLAMA_7B, grid, dp),
+            cost.predict_job(LLAMA_7B, grid, dp, grads_at_end=True),
+        )
         dp_later = late.detail["dp_exposed_ms"] - plain.detail["dp_exposed_ms"]
-        assert dp_later == (0 if dp == 1 else pytest.approx(late.detail["dp_sync_ms"] - plain.detail["dp_exposed_ms"]))
+        assert dp_later == (
+            0 if dp == 1 else pytest.approx(late.detail["dp_sync_ms"] - plain.detail["dp_exposed_ms"])
+        )
         assert 0 < plain.step_ms - late.step_ms + dp_later < plain.detail["blocks_ms"] * 0.1
         assert plain.exposed_comm_ms - late.exposed_comm_ms == pytest.approx(plain.step_ms - late.step_ms)
-        assert cost.predict_job(LLAMA_7B, grid, dp, none, grads_at_end=True).step_ms == pytest.approx(plain.step_ms + dp_later)
+        assert cost.predict_job(LLAMA_7B, grid, dp, none, grads_at_end=True).step_ms == pytest.approx(
+            plain.step_ms + dp_later
+        )
     for dp in (1, 4):
         grid = (1, 4 // dp, 1)
-        assert cost.predict_job(LLAMA_7B, grid, dp, grads_at_end=True).step_ms == cost.predict_job(LLAMA_7B, grid, dp).step_ms
-    fast, slow = (cost.predict_job(LLAMA_7B, (4, 1, 1), 1, m).step_ms - cost.predict_job(LLAMA_7B, (4, 1, 1), 1, m, grads_at_end=True).step_ms
-                  for m in (cost.DEFAULT_MACHINE, SLOW))
+        assert (
+            cost.predict_job(LLAMA_7B, grid, dp, grads_at_end=True).step_ms
+            == cost.predict_job(LLAMA_7B, grid, dp).step_ms
+        )
+    fast, slow = (
+        cost.predict_job(LLAMA_7B, (4, 1, 1), 1, m).step_ms
+        - cost.predict_job(LLAMA_7B, (4, 1, 1), 1, m, grads_at_end=True).step_ms
+        for m in (cost.DEFAULT_MACHINE, SLOW)
+    )
     assert slow > fast
 
 
@@ -191,10 +256,16 @@ def test_half_precision_reductions_halve_the_dp_reduction():
     """``half_grads`` (a bf16 or fp16 DDP hook) prices the reduction over dp in half the bytes."""
     full, half = (cost.predict_job(LLAMA_7B, (1, 2, 1), 2, SLOW, half_grads=h) for h in (False, True))
     assert half.detail["dp_sync_ms"] < 0.55 * full.detail["dp_sync_ms"] and half.step_ms < full.step_ms
-    assert cost.predict_job(LLAMA_7B, (1, 4, 1), 1, SLOW, half_grads=True).step_ms == cost.predict_job(LLAMA_7B, (1, 4, 1), 1, SLOW).step_ms
+    assert (
+        cost.predict_job(LLAMA_7B, (1, 4, 1), 1, SLOW, half_grads=True).step_ms
+        == cost.predict_job(LLAMA_7B, (1, 4, 1), 1, SLOW).step_ms
+    )
 
 
-@pytest.mark.parametrize("grid, dp", [((4, 1, 1), 1), ((1, 4, 1), 1), ((1, 1, 4), 1), ((2, 2, 1), 1), ((1, 2, 1), 2), ((1, 1, 1), 4)])
+@pytest.mark.parametrize(
+    "grid, dp",
+    [((4, 1, 1), 1), ((1, 4, 1), 1), ((1, 1, 4), 1), ((2, 2, 1), 1), ((1, 2, 1), 2), ((1, 1, 1), 4)],
+)
 def test_sent_bytes_are_the_bytes_the_step_time_prices(grid, dp):
     """The bytes a rank sends: FSDP's on a P×1×1 grid (each weight gathered once, its gradient
     scattered once; the embedding in fp32), the gradients' all-reduce with dp only; and the time
@@ -204,7 +275,9 @@ def test_sent_bytes_are_the_bytes_the_step_time_prices(grid, dp):
         weights = LLAMA_7B.params * cost.BYTES + LLAMA_7B.vocab * LLAMA_7B.hidden * (cost.FP32 - cost.BYTES)
         assert sent["all_gather"] == sent["reduce_scatter"] == pytest.approx(weights * 3 / 4)
     assert (sent["all_reduce"] > 0) == (dp > 1) and (sent["all_gather"] > 0) == (grid != (1, 1, 1))
-    unit = replace(cost.DEFAULT_MACHINE, intra={op: {g: cost.Link(1.0, 0.0) for g in (2, 4)} for op in cost.OPS})
+    unit = replace(
+        cost.DEFAULT_MACHINE, intra={op: {g: cost.Link(1.0, 0.0) for g in (2, 4)} for op in cost.OPS}
+    )
     priced_bytes = cost.predict_job(LLAMA_7B, grid, dp, unit).comm_ms * 1e-3 * 1e9
     assert priced_bytes == pytest.approx(sum(sent.values()), rel=1e-9)
 
@@ -215,6 +288,8 @@ def test_the_lm_head_is_a_z_input_product():
     input ``[tokens, h]`` is gathered), and the logits' ``[tokens, V]`` on 1×1×4."""
     tokens = LLAMA_7B.batch * LLAMA_7B.seq
     for grid, per_token in (((1, 4, 1), 0), ((1, 1, 4), LLAMA_7B.vocab * cost.BYTES * 3 / 4)):
-        small, large = (cost.sent_bytes(replace(LLAMA_7B, vocab=v), grid) for v in (LLAMA_7B.vocab, 2 * LLAMA_7B.vocab))
+        small, large = (
+            cost.sent_bytes(replace(LLAMA_7B, vocab=v), grid) for v in (LLAMA_7B.vocab, 2 * LLAMA_7B.vocab)
+        )
         for op in ("all_gather", "reduce_scatter"):
             assert large[op] - small[op] == pytest.approx(tokens * per_token)

@@ -3,19 +3,23 @@
 import subprocess
 import sys
 
+import harness
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from checks import local, on_grids, rel, seed_for
 from torch.utils.checkpoint import checkpoint
 
-import harness
-from checks import local, on_grids, rel, seed_for
 from lightning_3d import CrossEntropyLoss3D, Dropout3D, LayerNorm3D, Linear3D
 
 
 def autocast_job(grid):
     torch.manual_seed(50)
-    ln, fc1, fc2 = LayerNorm3D(16, grid=grid), Linear3D(16, 32, grid=grid), Linear3D(32, 16, input_layout="y", grid=grid)
+    ln, fc1, fc2 = (
+        LayerNorm3D(16, grid=grid),
+        Linear3D(16, 32, grid=grid),
+        Linear3D(32, 16, input_layout="y", grid=grid),
+    )
     torch.manual_seed(seed_for(grid, 51))
     x = local(torch.randn(4, 5, 16) * 2 + 1, "z", grid)
 
@@ -29,8 +33,11 @@ def autocast_job(grid):
         loss = CrossEntropyLoss3D(grid=grid)(logits, torch.randint(0, 32, (4, 5)))
     loss.backward()
     return {
-        "out_dtype": str(y.dtype), "err": rel(y.float(), ref), "loss_dtype": str(loss.dtype),
-        "grad_dtype": str(fc1.weight.grad.dtype), "grad_finite": bool(torch.isfinite(fc1.weight.grad).all()),
+        "out_dtype": str(y.dtype),
+        "err": rel(y.float(), ref),
+        "loss_dtype": str(loss.dtype),
+        "grad_dtype": str(fc1.weight.grad.dtype),
+        "grad_finite": bool(torch.isfinite(fc1.weight.grad).all()),
     }
 
 
@@ -54,9 +61,13 @@ def saved_weights_job(grid):
         (y.float() ** 2).sum().backward()
         grads.append(fc.weight.grad.clone())
     weight_like = [t for t in saved if t.dim() == 2 and t.shape[-1] == fc.weight.shape[-1]]
-    return {"param_saved": any(t.untyped_storage().data_ptr() == fc.weight.untyped_storage().data_ptr() for t in weight_like),
-            "bf16_weight_copies": sum(t.dtype == torch.bfloat16 for t in weight_like),
-            "grads_equal": bool(torch.equal(grads[0], grads[1]))}
+    return {
+        "param_saved": any(
+            t.untyped_storage().data_ptr() == fc.weight.untyped_storage().data_ptr() for t in weight_like
+        ),
+        "bf16_weight_copies": sum(t.dtype == torch.bfloat16 for t in weight_like),
+        "grads_equal": bool(torch.equal(grads[0], grads[1])),
+    }
 
 
 def test_weights_saved_for_backward_under_autocast():

@@ -3,15 +3,14 @@ weight changed in place after its prefetch was started is gathered again (never 
 With ``save_gathered=False`` it re-gathers each weight ahead in backward too, with
 bit-identical gradients."""
 
+import harness
 import pytest
 import torch
 import torch.distributed as dist
+from checks import local
 from torch import nn
 
-import harness
-from checks import local
-from lightning_3d import Linear3D, RuntimeOptions
-from lightning_3d import comm
+from lightning_3d import Linear3D, RuntimeOptions, comm
 from lightning_3d.ops import WeightPrefetch
 
 N = 8
@@ -19,8 +18,12 @@ N = 8
 
 def _stack(grid, options=None):
     torch.manual_seed(0)
-    return nn.Sequential(*[Linear3D(N, N, input_layout=layout, grid=grid, dtype=torch.float64, options=options)
-                           for layout in "zyzy"])
+    return nn.Sequential(
+        *[
+            Linear3D(N, N, input_layout=layout, grid=grid, dtype=torch.float64, options=options)
+            for layout in "zyzy"
+        ]
+    )
 
 
 @torch.no_grad()
@@ -58,7 +61,11 @@ def together_job():
     one); every handle waited twice, as weights of one run each wait for theirs."""
     group = dist.group.WORLD
     torch.manual_seed(dist.get_rank())
-    ts = [torch.randn(3, 5, dtype=torch.float64), torch.randn(2, dtype=torch.float64), torch.randn(1, 2, 4, dtype=torch.float64)]
+    ts = [
+        torch.randn(3, 5, dtype=torch.float64),
+        torch.randn(2, dtype=torch.float64),
+        torch.randn(1, 2, 4, dtype=torch.float64),
+    ]
     same = []
     for items, dtype in ((ts, None), (ts, torch.float32), ([ts[0], ts[1].float()], None)):
         outs, handle = comm.all_gather_dim0_together(items, group, dtype)
@@ -87,8 +94,12 @@ def test_weights_gathered_together_are_exact():
     the rest of its run of ``together`` (positions [k·together, (k+1)·together)) with it."""
     # (depth, together, in flight once layer 0 ran): runs [0, 1] [2, 3] start 1, then 2 and 3;
     # a run of 4 starts 1 … 3 together
-    for shape, depth, together, ahead in [((2, 1, 1), 1, 2, 1), ((2, 1, 1), 2, 2, 3), ((2, 2, 1), 1, 4, 3),
-                                          ((1, 2, 2), 2, 2, 3)]:
+    for shape, depth, together, ahead in [
+        ((2, 1, 1), 1, 2, 1),
+        ((2, 1, 1), 2, 2, 3),
+        ((2, 2, 1), 1, 4, 3),
+        ((1, 2, 2), 2, 2, 3),
+    ]:
         for outs, in_flight, recorded in harness.run(4, prefetch_job, shape, depth, together):
             assert outs == [True, True, True], (shape, depth, together, outs)
             assert in_flight == [0, ahead, ahead], (shape, depth, together, in_flight)
@@ -129,7 +140,9 @@ def backward_prefetch_job(shape, depth, together=1):
         for model in (plain, fetched):
             model.zero_grad()
             model(x).backward(g)
-        outs.append(all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), fetched.parameters())))
+        outs.append(
+            all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), fetched.parameters()))
+        )
         for model in (plain, fetched):
             with torch.no_grad():
                 for p in model.parameters():
@@ -138,7 +151,13 @@ def backward_prefetch_job(shape, depth, together=1):
 
 
 def test_backward_regathers_are_prefetched_and_exact():
-    for shape, depth, together in [((2, 1, 1), 1, 1), ((2, 2, 1), 1, 1), ((1, 2, 2), 1, 1), ((2, 2, 1), 2, 1), ((2, 1, 1), 2, 2)]:
+    for shape, depth, together in [
+        ((2, 1, 1), 1, 1),
+        ((2, 2, 1), 1, 1),
+        ((1, 2, 2), 1, 1),
+        ((2, 2, 1), 2, 1),
+        ((2, 1, 1), 2, 2),
+    ]:
         for outs, ahead, recorded in harness.run(4, backward_prefetch_job, shape, depth, together):
             assert outs == [True, True, True], (shape, depth, outs)
             assert recorded == 4, (shape, recorded)

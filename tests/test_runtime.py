@@ -6,19 +6,21 @@ would serve the second model's forward from the first's, or hand the first model
 the prefetch of whichever forward ran last.
 """
 
-import torch
-
 import harness
+import torch
 from checks import assert_close, on_grids, rel
+from test_gpt import batch, config, grads_as_dense, pair
+
 from lightning_3d.options import RuntimeOptions
 from lightning_3d.parallel import runtime_of, set_options
 from lightning_3d.runtime import late_grads
-from test_gpt import batch, config, grads_as_dense, pair
 
 # one gathers weight by weight, re-gathers in backward and leaves weight gradients for the end;
 # the other gathers a block's weights at once, keeps them, and reduces each gradient in its product
-OPTIONS = {"a": RuntimeOptions(prefetch_depth=2, gathered_together=1, save_gathered=False, grads_at_end=True),
-           "b": RuntimeOptions(prefetch_depth=4, gathered_together=4, grads_at_end=False, check_inputs=False)}
+OPTIONS = {
+    "a": RuntimeOptions(prefetch_depth=2, gathered_together=1, save_gathered=False, grads_at_end=True),
+    "b": RuntimeOptions(prefetch_depth=4, gathered_together=4, grads_at_end=False, check_inputs=False),
+}
 
 
 def _left_for_end(model) -> float:
@@ -35,7 +37,9 @@ def alternating_job(grid):
         denses[name], models[name] = pair(grid, config("llama"), 3, options=options)
         shares[name] = []
 
-        def watch(module, args, out, name=name) -> None:  # at the embedding's output gradient every product's backward has run
+        def watch(
+            module, args, out, name=name
+        ) -> None:  # at the embedding's output gradient every product's backward has run
             out.register_hook(lambda grad: shares[name].append(_left_for_end(models[name])))
 
         models[name].transformer.wte.register_forward_hook(watch)
@@ -49,19 +53,29 @@ def alternating_job(grid):
             ref = denses[name](idx, targets)
             ref.backward()
             errs[f"{name}{step}_loss"] = rel(losses[name].detach(), ref.detach())
-            grads = grads_as_dense(models[name])  # overwrites the weights: the next step starts from the same ones
+            grads = grads_as_dense(
+                models[name]
+            )  # overwrites the weights: the next step starts from the same ones
             with torch.no_grad():
                 models[name].load_dense_state_dict(denses[name].state_dict())
-            errs.update({f"{name}{step}_d{k}": rel(grads[k], p.grad) for k, p in denses[name].named_parameters()})
+            errs.update(
+                {f"{name}{step}_d{k}": rel(grads[k], p.grad) for k, p in denses[name].named_parameters()}
+            )
     for name, options in OPTIONS.items():
         fetched = runtime_of(models[name]).prefetch
-        errs[f"{name}_own_prefetch"] = float((fetched.depth, fetched.together) != (options.prefetch_depth, options.gathered_together))
+        errs[f"{name}_own_prefetch"] = float(
+            (fetched.depth, fetched.together) != (options.prefetch_depth, options.gathered_together)
+        )
         own = {late_grads._key(p) for p in models[name].parameters()}
-        errs[f"{name}_gathered_own_weights"] = float(not fetched._forward.order
-                                                     or any(late_grads._key(w) not in own for w, _ in fetched._forward.order))
+        errs[f"{name}_gathered_own_weights"] = float(
+            not fetched._forward.order
+            or any(late_grads._key(w) not in own for w, _ in fetched._forward.order)
+        )
     # a's backward re-gathered through a's prefetch though b's forward ran after a's
     a_fetched = runtime_of(models["a"]).prefetch
-    errs["a_backward_prefetched"] = float(not 0 < len(a_fetched._backward.order) == len(a_fetched._forward.order))
+    errs["a_backward_prefetched"] = float(
+        not 0 < len(a_fetched._backward.order) == len(a_fetched._forward.order)
+    )
     errs["a_grads_at_end"] = 1.0 - min(shares["a"])
     errs["b_grads_in_products"] = max(shares["b"])
     # a checks its token ids, b (check_inputs=False) does not

@@ -8,20 +8,27 @@ import os
 import subprocess
 import sys
 
+import harness
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import harness
-from lightning_3d.ops.sequence_split import (check_split, chunks_of, split_sequence, split_targets, token_positions,
-                                             unsplit_sequence)
+from lightning_3d.ops.sequence_split import (
+    check_split,
+    chunks_of,
+    split_sequence,
+    split_targets,
+    token_positions,
+    unsplit_sequence,
+)
 from lightning_3d.ops.split_attention import attend_local_chunks, gather_sequence, split_causal_attention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # --- the split: pure index math ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_split_positions_roundtrip_and_balance(ranks):
@@ -30,17 +37,24 @@ def test_split_positions_roundtrip_and_balance(ranks):
         x = torch.randn(3, seq_len, 2)
         parts = [split_sequence(x, r, ranks) for r in range(ranks)]
         positions = [token_positions(seq_len, r, ranks) for r in range(ranks)]
-        assert sorted(torch.cat(positions).tolist()) == list(range(seq_len))  # every token on exactly one rank
+        assert sorted(torch.cat(positions).tolist()) == list(
+            range(seq_len)
+        )  # every token on exactly one rank
         for r in range(ranks):
             first, second = chunks_of(r, ranks)
             assert positions[r].tolist() == list(range(first * length, (first + 1) * length)) + list(
-                range(second * length, (second + 1) * length))
+                range(second * length, (second + 1) * length)
+            )
             torch.testing.assert_close(parts[r], x[:, positions[r]], rtol=0, atol=0)
         # causal work: the keys the ranks' queries see, the same on every rank
         assert len({(p + 1).sum().item() for p in positions}) == 1
         torch.testing.assert_close(unsplit_sequence(parts), x, rtol=0, atol=0)
-        torch.testing.assert_close(unsplit_sequence([split_sequence(x, r, ranks, dim=-2) for r in range(ranks)], dim=-2),
-                                   x, rtol=0, atol=0)
+        torch.testing.assert_close(
+            unsplit_sequence([split_sequence(x, r, ranks, dim=-2) for r in range(ranks)], dim=-2),
+            x,
+            rtol=0,
+            atol=0,
+        )
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
@@ -56,13 +70,21 @@ def test_split_targets_follow_true_positions(ranks):
         logits = torch.randn(3, seq_len, 11, dtype=torch.float64)
         small = labels % 11
         dense = F.cross_entropy(logits[:, :-1].flatten(0, 1), small[:, 1:].flatten(), reduction="sum")
-        split = sum(F.cross_entropy(split_sequence(logits, r, ranks).flatten(0, 1),
-                                    split_targets(small, r, ranks).flatten(), reduction="sum") for r in range(ranks))
+        split = sum(
+            F.cross_entropy(
+                split_sequence(logits, r, ranks).flatten(0, 1),
+                split_targets(small, r, ranks).flatten(),
+                reduction="sum",
+            )
+            for r in range(ranks)
+        )
         torch.testing.assert_close(split, dense, rtol=1e-14, atol=0)
 
 
 def test_split_refuses_bad_lengths_with_the_fix():
-    with pytest.raises(ValueError, match=r"30 tokens .* 2·4 = 8 equal chunks .* multiple of 8 \(e.g. 32 tokens\)"):
+    with pytest.raises(
+        ValueError, match=r"30 tokens .* 2·4 = 8 equal chunks .* multiple of 8 \(e.g. 32 tokens\)"
+    ):
         check_split(30, 4)
     with pytest.raises(ValueError, match="rank 2 is not in a row group of 2"):
         chunks_of(2, 2)
@@ -74,17 +96,30 @@ def test_split_refuses_bad_lengths_with_the_fix():
 
 # --- attention over split sequences --------------------------------------------------------------
 
+
 def dense_reference(q, k, v, dout):
     """Dense causal SDPA over whole sequences ``[b, s, h, d]``: output ``[b, s, h·d]`` and (dq, dk, dv)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                         enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2).flatten(-2)
+    out = (
+        F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
+        .transpose(1, 2)
+        .flatten(-2)
+    )
     return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
 
 
 def inputs(batch, seq_len, heads, kv_heads, head_dim=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(batch, seq_len, n, head_dim, dtype=torch.float64, generator=g) for n in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(batch, seq_len, n, head_dim, dtype=torch.float64, generator=g)
+        for n in (heads, kv_heads, kv_heads)
+    )
     return q, k, v, torch.randn(batch, seq_len, heads * head_dim, dtype=torch.float64, generator=g)
 
 
@@ -93,7 +128,9 @@ def inputs(batch, seq_len, heads, kv_heads, head_dim=8, seed=0):
 def test_ranks_simulated_equal_dense_attention(ranks, seq_len, batch, kv_heads):
     q, k, v, dout = inputs(batch, seq_len, 4, kv_heads, seed=ranks * 100 + seq_len)
     out, dq, dk, dv = dense_reference(q, k, v, dout)
-    k_, v_ = (t.detach().requires_grad_() for t in (k, v))  # the gathered whole sequence; its gradient sums the ranks'
+    k_, v_ = (
+        t.detach().requires_grad_() for t in (k, v)
+    )  # the gathered whole sequence; its gradient sums the ranks'
     outs, dqs = [], []
     for r in range(ranks):
         q_r = split_sequence(q, r, ranks).requires_grad_()
@@ -101,7 +138,12 @@ def test_ranks_simulated_equal_dense_attention(ranks, seq_len, batch, kv_heads):
         y.backward(split_sequence(dout, r, ranks))
         outs.append(y.detach())
         dqs.append(q_r.grad)
-    for got, want in [(unsplit_sequence(outs), out), (unsplit_sequence(dqs), dq), (k_.grad, dk), (v_.grad, dv)]:
+    for got, want in [
+        (unsplit_sequence(outs), out),
+        (unsplit_sequence(dqs), dq),
+        (k_.grad, dk),
+        (v_.grad, dv),
+    ]:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -125,8 +167,9 @@ def gloo_job(seq_len: int, batch: int, kv_heads: int):
     y.backward(split_sequence(dout, rank, ranks))
     whole = gather_sequence(k_r.detach(), group)  # the gather alone: the whole sequence in true order
     pairs = [(y, out), (q_r.grad, dq), (k_r.grad, dk), (v_r.grad, dv)]
-    return max((got - split_sequence(want, rank, ranks)).abs().max().item() for got, want in pairs), \
-        (whole - k).abs().max().item()
+    return max((got - split_sequence(want, rank, ranks)).abs().max().item() for got, want in pairs), (
+        whole - k
+    ).abs().max().item()
 
 
 @pytest.mark.parametrize("world,seq_len,batch,kv_heads", [(2, 24, 3, 2), (4, 32, 1, 2), (4, 16, 3, 4)])
@@ -136,8 +179,16 @@ def test_split_attention_gathers_and_scatters_over_gloo(world, seq_len, batch, k
 
 
 def test_split_attention_benchmark_smoke_on_cpu(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "micro", "split_attention.py"), "--cpu", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "micro", "split_attention.py"),
+        "--cpu",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "split_attention.json") as f:
         rows = json.load(f)["rows"]

@@ -1,11 +1,11 @@
 """Initialisation, dense state dicts, metadata, and the errors of the layers."""
 
+import harness
 import pytest
 import torch
+from checks import GRIDS_8, on_grids
 from torch import nn
 
-import harness
-from checks import GRIDS_8, on_grids
 from lightning_3d import LayerNorm3D, Linear3D, VocabParallelEmbedding3D, get_spec
 
 F64 = torch.float64
@@ -24,7 +24,9 @@ def init_job(grid):
         torch.manual_seed(40)
         mod = make3d()
         sd = mod.dense_state_dict()
-        out[name] = sorted(sd) == sorted(dense.state_dict()) and all(torch.equal(sd[k], v) for k, v in dense.state_dict().items())
+        out[name] = sorted(sd) == sorted(dense.state_dict()) and all(
+            torch.equal(sd[k], v) for k, v in dense.state_dict().items()
+        )
     return out
 
 
@@ -98,19 +100,27 @@ def errors_job(grid):
     flat = harness.grid((2, 1, 2))  # z-layout rows are cut px·py = 2 ways, y-layout rows px·pz = 4 ways
     catch("batch", lambda: Linear3D(8, 12, grid=flat)(torch.randn(1, 3, 4)))
     harness.grid(grid.shape)
-    catch("emb_batch", lambda: VocabParallelEmbedding3D(20, 8, grid=grid)(torch.zeros(6, 3, dtype=torch.long)))
+    catch(
+        "emb_batch", lambda: VocabParallelEmbedding3D(20, 8, grid=grid)(torch.zeros(6, 3, dtype=torch.long))
+    )
     catch("load", lambda: lin.load_dense_state_dict({"weight": torch.zeros(12, 9), "bias": torch.zeros(12)}))
     return msgs
 
 
 def test_bad_shapes_raise_with_numbers_and_fix():
     msgs = harness.run(8, on_grids, [(2, 2, 2)], errors_job)[0][(2, 2, 2)]
-    assert "dim 0 of size 6 is split over py=2·px=2 = 4 ranks, but 6 % 4 = 2; make it a multiple of 4" in msgs["out"]
+    assert (
+        "dim 0 of size 6 is split over py=2·px=2 = 4 ranks, but 6 % 4 = 2; make it a multiple of 4"
+        in msgs["out"]
+    )
     assert "dim 1 of size 7 is split over pz=2 = 2 ranks" in msgs["in"]
     assert "dim 0 of size 7 is split over pz=2" in msgs["ln"]
     assert "dim 0 of size 18 is split over py=2·px=2 = 4 ranks" in msgs["vocab"]
     assert "expected a z-layout block" in msgs["features"] and "[1, 3, 8]" in msgs["features"]
-    assert "global batch 2 must be divisible by px·py = 2 and px·pz = 4" in msgs["batch"] and "multiple of 4" in msgs["batch"]
+    assert (
+        "global batch 2 must be divisible by px·py = 2 and px·pz = 4" in msgs["batch"]
+        and "multiple of 4" in msgs["batch"]
+    )
     assert "batch 6 must be divisible by px·py = 4" in msgs["emb_batch"]
     assert "holds shape [12, 9], the module expects [12, 8]" in msgs["load"]
 

@@ -62,15 +62,19 @@ def reference() -> dict:
     net = DenseNet()
     opt = adam_step(net, {n: p.shape for n, p in net.named_parameters()})
     names = {id(p): n for n, p in net.named_parameters()}
-    return {"model": {k: v.detach().clone() for k, v in net.state_dict().items()},
-            "adam": {f"{names[id(p)]}.{k}": v.clone() for p, st in opt.state.items() for k, v in st.items()}}
+    return {
+        "model": {k: v.detach().clone() for k, v in net.state_dict().items()},
+        "adam": {f"{names[id(p)]}.{k}": v.clone() for p, st in opt.state.items() for k, v in st.items()},
+    }
 
 
 def _shards(net, opt, grid) -> dict:
     """This rank's local tensors, each with the global slice its spec says it holds (None: the whole tensor)."""
     names = ckpt.parameter_names(net)
-    out = {k: (v.detach().clone(), get_spec(v).local_slices(grid) if get_spec(v) else None)
-           for k, v in net.state_dict(keep_vars=True).items()}
+    out = {
+        k: (v.detach().clone(), get_spec(v).local_slices(grid) if get_spec(v) else None)
+        for k, v in net.state_dict(keep_vars=True).items()
+    }
     for p, st in opt.state.items():
         for k, v in st.items():
             sliced = v.dim() > 0 and get_spec(p) is not None
@@ -86,9 +90,16 @@ def save_job(shape, path):
     offsets_ok = all(
         compute_local_shape_and_global_offset(spec.global_shape, view.device_mesh, view.placements)
         == (spec.local_shape(grid), tuple(s.start for s in spec.local_slices(grid)))
-        for p in net.parameters() for spec, view in [(get_spec(p), ckpt.sharded_view(p, get_spec(p), grid))])
+        for p in net.parameters()
+        for spec, view in [(get_spec(p), ckpt.sharded_view(p, get_spec(p), grid))]
+    )
     state = ckpt.optimizer_state(opt, ckpt.parameter_names(net), grid)
-    ckpt.save(path, {ckpt.MODEL_KEY: ckpt.model_state(net, grid), ckpt.optimizer_key(0): {"state": state["state"]}}, grid, net)
+    ckpt.save(
+        path,
+        {ckpt.MODEL_KEY: ckpt.model_state(net, grid), ckpt.optimizer_key(0): {"state": state["state"]}},
+        grid,
+        net,
+    )
     return offsets_ok, _shards(net, opt, grid), state["param_groups"]
 
 
@@ -111,7 +122,9 @@ def _assert_shards_match(shards: dict, ref: dict, where: str) -> None:
     for key, (local, slices) in shards.items():
         full = ref["adam"][key[5:]] if key.startswith("adam.") else ref["model"][key]
         want = full if slices is None else full[slices]
-        assert local.shape == want.shape, f"{where}: {key} has shape {list(local.shape)}, its slice {list(want.shape)}"
+        assert local.shape == want.shape, (
+            f"{where}: {key} has shape {list(local.shape)}, its slice {list(want.shape)}"
+        )
         err = float((local.double() - want.double()).abs().max()) if local.numel() else 0.0
         assert err <= TOL, f"{where}: {key} differs from the torch.nn twin's slice by {err:.2e}"
 
@@ -129,7 +142,13 @@ def test_reshard_and_dense_export(tmp_path):
             _assert_shards_match(shards, ref, f"loaded on {shape} dp {dp}, rank {rank}")
             assert lr == 0.1
     dense = ckpt.to_dense(path)
-    _assert_shards_match({k: (v, None) for k, v in dense.items()}, {"model": ref["model"], "adam": {}}, "dense export")
+    _assert_shards_match(
+        {k: (v, None) for k, v in dense.items()}, {"model": ref["model"], "adam": {}}, "dense export"
+    )
     out = tmp_path / "dense.pt"
     ckpt.main(["to-dense", path, str(out)])
-    _assert_shards_match({k: (v, None) for k, v in torch.load(out).items()}, {"model": ref["model"], "adam": {}}, "to-dense command")
+    _assert_shards_match(
+        {k: (v, None) for k, v in torch.load(out).items()},
+        {"model": ref["model"], "adam": {}},
+        "to-dense command",
+    )

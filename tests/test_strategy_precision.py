@@ -26,11 +26,20 @@ from lightning_3d.strategy.zero import partition
 
 def _model_with_grads(grid, dtype=torch.float32):
     """3-D layers of every kind plus a plain (replicated) parameter; returns (params, full gradients)."""
-    layers = nn.ModuleList([VocabParallelEmbedding3D(16, 8, grid=grid, dtype=dtype), LayerNorm3D(8, grid=grid, dtype=dtype),
-                            Linear3D(8, 12, grid=grid, dtype=dtype), Linear3D(12, 8, input_layout="y", grid=grid, dtype=dtype)])
+    layers = nn.ModuleList(
+        [
+            VocabParallelEmbedding3D(16, 8, grid=grid, dtype=dtype),
+            LayerNorm3D(8, grid=grid, dtype=dtype),
+            Linear3D(8, 12, grid=grid, dtype=dtype),
+            Linear3D(12, 8, input_layout="y", grid=grid, dtype=dtype),
+        ]
+    )
     params = [*layers.parameters(), nn.Parameter(torch.zeros(3, dtype=dtype))]
     torch.manual_seed(3)
-    full = [torch.randn(get_spec(p).global_shape if get_spec(p) else p.shape, dtype=dtype) * (i + 1) for i, p in enumerate(params)]
+    full = [
+        torch.randn(get_spec(p).global_shape if get_spec(p) else p.shape, dtype=dtype) * (i + 1)
+        for i, p in enumerate(params)
+    ]
     for p, g in zip(params, full):
         p.grad = g[get_spec(p).local_slices(grid)].clone() if get_spec(p) else g.clone()
     return params, full
@@ -45,13 +54,19 @@ def norm_job(shape, dp, dtype=torch.float32):
     for p in (1.0, 2.0, 3.0, math.inf):
         ref = torch.linalg.vector_norm(torch.cat([g.flatten() for g in full]), p)
         out[f"norm{p}"] = float(grad_norm(params, grid, p)) / float(ref)
-    low = nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))  # a bf16 gradient: its norm accumulates in float32
+    low = nn.Parameter(
+        torch.zeros(5, dtype=torch.bfloat16)
+    )  # a bf16 gradient: its norm accumulates in float32
     low.grad = (torch.arange(5.0) * 0.37 + 1.1).to(torch.bfloat16)
     ref = torch.linalg.vector_norm(torch.cat([g.flatten().double() for g in full + [low.grad]]), 2.0)
     out["norm_with_bf16"] = float(grad_norm(params + [low], grid)) / float(ref)
-    owner = partition(params, grid.data_parallel_size)  # ZeRO: each dp rank passes its share, summed over the world
+    owner = partition(
+        params, grid.data_parallel_size
+    )  # ZeRO: each dp rank passes its share, summed over the world
     mine = [p for p in params if owner[id(p)] == grid.coord("dp")]
-    out["partitioned"] = float(grad_norm(mine, grid, 2.0, group=dist.group.WORLD)) / float(torch.cat([g.flatten() for g in full]).norm())
+    out["partitioned"] = float(grad_norm(mine, grid, 2.0, group=dist.group.WORLD)) / float(
+        torch.cat([g.flatten() for g in full]).norm()
+    )
     total = clip_grad_norm_(params, 0.5, grid)
     dense = [nn.Parameter(torch.zeros_like(g)) for g in full]
     for d, g in zip(dense, full):
@@ -59,8 +74,13 @@ def norm_job(shape, dp, dtype=torch.float32):
     ref_total = torch.nn.utils.clip_grad_norm_(dense, 0.5)
     clipped = [d.grad for d in dense]
     out["clip_total"] = float(total) / float(ref_total)
-    out["clipped"] = max(float((p.grad - (c[get_spec(p).local_slices(grid)] if get_spec(p) else c)).abs().max()) for p, c in zip(params, clipped))
-    below = [p.grad.clone() for p in params]  # now at norm 0.5: a limit above it must leave every gradient as it is
+    out["clipped"] = max(
+        float((p.grad - (c[get_spec(p).local_slices(grid)] if get_spec(p) else c)).abs().max())
+        for p, c in zip(params, clipped)
+    )
+    below = [
+        p.grad.clone() for p in params
+    ]  # now at norm 0.5: a limit above it must leave every gradient as it is
     clip_grad_norm_(params, 0.75, grid)
     out["unclipped_below_limit"] = float(not all(torch.equal(p.grad, g) for p, g in zip(params, below)))
     return out
@@ -105,9 +125,13 @@ def overflow_job(agreed: bool):
 
 
 def test_fp16_overflow_skips_the_step_on_every_rank():
-    assert all(r == (True, 2.0) for r in harness.run(8, overflow_job, True)), "an overflow on one rank must skip the step everywhere"
+    assert all(r == (True, 2.0) for r in harness.run(8, overflow_job, True)), (
+        "an overflow on one rank must skip the step everywhere"
+    )
     unagreed = harness.run(8, overflow_job, False)
-    assert unagreed[5][0] and not any(r[0] for i, r in enumerate(unagreed) if i != 5), "control: a plain scaler lets ranks disagree"
+    assert unagreed[5][0] and not any(r[0] for i, r in enumerate(unagreed) if i != 5), (
+        "control: a plain scaler lets ranks disagree"
+    )
 
 
 def zero1_job(shape, dp):
@@ -131,7 +155,9 @@ def zero1_job(shape, dp):
         "loads": loads,
         "largest": max(p.numel() for p in params),
         "total": sum(p.numel() for p in params),
-        "all_moved": all(not torch.equal(b, p.detach()) for b, p in zip(before, params)),  # owners broadcast their update
+        "all_moved": all(
+            not torch.equal(b, p.detach()) for b, p in zip(before, params)
+        ),  # owners broadcast their update
     }
 
 
@@ -140,8 +166,12 @@ def test_zero1_shards_optimizer_state_evenly_over_dp(shape, dp):
     """A partition that put every state on dp rank 0 (or kept it everywhere) fails here: loads must split the total."""
     for rank, r in enumerate(harness.run(8, zero1_job, shape, dp)):
         where = f"rank {rank} on {shape} dp {dp}"
-        assert r["owns_exactly_its_share"], f"{where}: holds optimizer state of a parameter another dp rank owns"
-        assert sum(r["loads"]) == r["total"], f"{where}: the dp ranks' states cover {sum(r['loads'])} of {r['total']} elements"
+        assert r["owns_exactly_its_share"], (
+            f"{where}: holds optimizer state of a parameter another dp rank owns"
+        )
+        assert sum(r["loads"]) == r["total"], (
+            f"{where}: the dp ranks' states cover {sum(r['loads'])} of {r['total']} elements"
+        )
         assert max(r["loads"]) - min(r["loads"]) <= r["largest"], f"{where}: unbalanced shares {r['loads']}"
         assert min(r["loads"]) > 0, f"{where}: a dp rank holds no state: {r['loads']}"
         assert r["all_moved"], f"{where}: a parameter was not updated on every replica"

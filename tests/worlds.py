@@ -30,16 +30,28 @@ def tail(path: Path, n: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
 
 
-def start(script: Path, world: int, out: Path, args: tuple, port: int | None = None) -> tuple[list[subprocess.Popen], list[Path]]:
+def start(
+    script: Path, world: int, out: Path, args: tuple, port: int | None = None
+) -> tuple[list[subprocess.Popen], list[Path]]:
     """Start ``script *args`` on ``world`` ranks, each logging to ``out/<args[0]>.log<rank>``."""
     port = str(port or free_port())
     procs, logs = [], []
     for rank in range(world):
         logs.append(out / f"{args[0]}.log{rank}")
-        rank_env = env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world), RANK=str(rank),
-                       LOCAL_RANK=str(rank), NODE_RANK="0")
+        rank_env = env(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            WORLD_SIZE=str(world),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+        )
         with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(script), *args], env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), *args], env=rank_env, stdout=log, stderr=subprocess.STDOUT
+                )
+            )
     return procs, logs
 
 
@@ -69,5 +81,8 @@ def launch(script: Path, world: int, out: Path, *args: str, timeout: float = 240
             return
         report = "\n".join(f"--- rank {r} ---\n{tail(logs[r])}" for r in failed)
         if "EADDRINUSE" not in report or attempt == tries - 1:
-            raise AssertionError(f"{script.name} {args[0]}: ranks {failed} failed" + (f" (hung past {timeout:.0f}s: {hung})" if hung else "")
-                                 + f"\n{report}")
+            raise AssertionError(
+                f"{script.name} {args[0]}: ranks {failed} failed"
+                + (f" (hung past {timeout:.0f}s: {hung})" if hung else "")
+                + f"\n{report}"
+            )

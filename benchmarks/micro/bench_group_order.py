@@ -86,8 +86,12 @@ def sync() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu", action="store_true", help="tiny shapes in float32 on CPU; check that the orders agree")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cpu", action="store_true", help="tiny shapes in float32 on CPU; check that the orders agree"
+    )
     parser.add_argument("--px", type=int, default=2)
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
@@ -97,8 +101,13 @@ def main() -> None:
     torch.manual_seed(0)
     rope = rope_tables(s, d, 10000.0, device)
     y = torch.randn(b, s, args.px, r + 2, kv * d // args.px, device=device, dtype=dtype, requires_grad=True)
-    results = {name: time_ms(lambda t, fn=fn: fn(t, r, d, rope), [y], args.iters)
-               for name, fn in (("rope: heads then rope", heads_then_rope), ("rope: rope then heads", rope_then_heads))}
+    results = {
+        name: time_ms(lambda t, fn=fn: fn(t, r, d, rope), [y], args.iters)
+        for name, fn in (
+            ("rope: heads then rope", heads_then_rope),
+            ("rope: rope then heads", rope_then_heads),
+        )
+    }
     g = torch.randn(b * s, args.px, 2, ffn // args.px, device=device, dtype=dtype, requires_grad=True)
     dense = torch.randn(b * s, 2 * ffn, device=device, dtype=dtype, requires_grad=True)
     results["swiglu: views of the product"] = time_ms(swiglu_views, [g], args.iters)

@@ -21,7 +21,9 @@ PRECISIONS = ["32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true"]
 
 
 def train(precision: str, batches: torch.Tensor, path: Path) -> dict:
-    fabric = L.Fabric(accelerator="cuda", devices=1, strategy=lightning_3d.Tensor3DFabricStrategy(), precision=precision)
+    fabric = L.Fabric(
+        accelerator="cuda", devices=1, strategy=lightning_3d.Tensor3DFabricStrategy(), precision=precision
+    )
     fabric.launch()
     torch.manual_seed(1)
     with fabric.init_module(empty_init=True):
@@ -38,8 +40,13 @@ def train(precision: str, batches: torch.Tensor, path: Path) -> dict:
     fabric.save(path, {"model": model, "optimizer": opt, "step": len(losses)})
     state = {"model": model, "optimizer": opt, "step": 0}
     fabric.load(path, state)
-    return {"loss": losses, "loaded_step": state["step"], "dtype": str(next(model.parameters()).dtype),
-            "plugin": type(fabric.strategy.precision).__name__, "scaler": type(getattr(fabric.strategy.precision, "scaler", None)).__name__}
+    return {
+        "loss": losses,
+        "loaded_step": state["step"],
+        "dtype": str(next(model.parameters()).dtype),
+        "plugin": type(fabric.strategy.precision).__name__,
+        "scaler": type(getattr(fabric.strategy.precision, "scaler", None)).__name__,
+    }
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ torch.library.custom_op("host_calls::trivial", trivial, mutates_args=())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--width", type=int, default=256, help="the model width h (even)")
     args = parser.parse_args()
@@ -110,13 +112,24 @@ def main() -> None:
         shapes = [a.dim(), *a.shape, *w.shape]
         timed("product forward, custom op", lambda: torch.ops.lightning_3d.matmul3d(a, w, None, *args))
         timed("product forward, Python", lambda: products._forward(schedule, runtime, a, w, None))
-        timed("product backward, custom op", lambda: torch.ops.lightning_3d.matmul3d_backward(
-            grad_c, a, kept_b, w, shapes, bf16, torch.float32, bf16, [True, True, False], *args))
-        timed("product backward, Python", lambda: products._backward(schedule, runtime, grad_c, a, kept_b, (True, True, False), w))
+        timed(
+            "product backward, custom op",
+            lambda: torch.ops.lightning_3d.matmul3d_backward(
+                grad_c, a, kept_b, w, shapes, bf16, torch.float32, bf16, [True, True, False], *args
+            ),
+        )
+        timed(
+            "product backward, Python",
+            lambda: products._backward(schedule, runtime, grad_c, a, kept_b, (True, True, False), w),
+        )
         w_full = torch.ops.lightning_3d.gathered_weight(w, *args)
-        timed("x-grid product, the weight's gather op", lambda: torch.ops.lightning_3d.gathered_weight(w, *args))
-        timed("x-grid product, its backward op", lambda: torch.ops.lightning_3d.gathered_product_backward(
-            grad_c, a, w_full, w, True, *args))
+        timed(
+            "x-grid product, the weight's gather op", lambda: torch.ops.lightning_3d.gathered_weight(w, *args)
+        )
+        timed(
+            "x-grid product, its backward op",
+            lambda: torch.ops.lightning_3d.gathered_product_backward(grad_c, a, w_full, w, True, *args),
+        )
         timed("custom op, trivial body", lambda: torch.ops.host_calls.trivial(a, 1))
         timed("its Python function", lambda: trivial(a, 1))
         timed("F.linear", lambda: F.linear(a, grad_full))
@@ -130,9 +143,16 @@ def main() -> None:
     if rank == 0:
         for name, t in us.items():
             print(f"{t:9.1f} us  {name}")
-        meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                "python": sys.version.split()[0], "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "commit": os.environ.get("BENCH_COMMIT", ""), "argv": sys.argv, "calls": CALLS, "width": h}
+        meta = {
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "commit": os.environ.get("BENCH_COMMIT", ""),
+            "argv": sys.argv,
+            "calls": CALLS,
+            "width": h,
+        }
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_calls.json"), "w") as f:
             json.dump({"meta": meta, "us_per_call": us}, f, indent=1)

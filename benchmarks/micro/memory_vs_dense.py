@@ -43,17 +43,59 @@ MIB = 2**20
 
 CASES = {  # name: (model fields, batch, seq)
     "gpt2": ({"style": "gpt2", "vocab_size": 50304, "n_embd": 2048, "n_head": 16, "n_layer": 24}, 8, 2048),
-    "llama": ({"style": "llama", "vocab_size": 32000, "n_embd": 4096, "n_head": 32, "n_kv_head": 8, "n_layer": 8,
-               "ffn_hidden": 11008}, 8, 2048),
-    "hf-llama": ({"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4,
-                  "num_hidden_layers": 16, "vocab_size": 32000}, 4, 2048),
+    "llama": (
+        {
+            "style": "llama",
+            "vocab_size": 32000,
+            "n_embd": 4096,
+            "n_head": 32,
+            "n_kv_head": 8,
+            "n_layer": 8,
+            "ffn_hidden": 11008,
+        },
+        8,
+        2048,
+    ),
+    "hf-llama": (
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "num_hidden_layers": 16,
+            "vocab_size": 32000,
+        },
+        4,
+        2048,
+    ),
 }
 TINY = {
     "gpt2": ({"style": "gpt2", "vocab_size": 256, "n_embd": 64, "n_head": 4, "n_layer": 2}, 4, 32),
-    "llama": ({"style": "llama", "vocab_size": 256, "n_embd": 64, "n_head": 4, "n_kv_head": 2, "n_layer": 2,
-               "ffn_hidden": 96}, 4, 32),
-    "hf-llama": ({"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "num_hidden_layers": 2, "vocab_size": 256}, 4, 32),
+    "llama": (
+        {
+            "style": "llama",
+            "vocab_size": 256,
+            "n_embd": 64,
+            "n_head": 4,
+            "n_kv_head": 2,
+            "n_layer": 2,
+            "ffn_hidden": 96,
+        },
+        4,
+        32,
+    ),
+    "hf-llama": (
+        {
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "vocab_size": 256,
+        },
+        4,
+        32,
+    ),
 }
 
 
@@ -79,7 +121,9 @@ def gpt_pair(fields: dict, seq: int, device, compile_: bool):
     if compile_:
         for i, block in enumerate(dense.transformer.h):
             dense.transformer.h[i] = torch.compile(block)
-        dense.loss = torch.compile(dense.loss)  # as torchtitan compiles its loss; GPT3D compiles its loss's local passes
+        dense.loss = torch.compile(
+            dense.loss
+        )  # as torchtitan compiles its loss; GPT3D compiles its loss's local passes
 
     def twin():
         model = GPT3D(config, device=device, options=lightning_3d.RuntimeOptions(compile=compile_))
@@ -161,8 +205,15 @@ def saved_for_backward(loss: torch.Tensor, params: list[torch.Tensor]) -> dict:
             name = type(node).__name__
             cat = "parameters" if key in param_storages else f"{name}: {str(t.dtype).replace('torch.', '')}"
             by_cat[cat] += storage.nbytes()
-            tensors.append({"node": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
-                            "bytes": storage.nbytes(), "parameter": key in param_storages})
+            tensors.append(
+                {
+                    "node": name,
+                    "shape": list(t.shape),
+                    "dtype": str(t.dtype).replace("torch.", ""),
+                    "bytes": storage.nbytes(),
+                    "parameter": key in param_storages,
+                }
+            )
         queue.extend(n for n, _ in node.next_functions)
     total = sum(v for k, v in by_cat.items() if k != "parameters")
     return {"total": total, "by_category": dict(by_cat.most_common()), "tensors": tensors}
@@ -195,7 +246,10 @@ class LiveBytes(TorchDispatchMode):
             key = storage.data_ptr()
             if key in self.live or key in self.kept or storage.nbytes() == 0:
                 continue
-            self.live[key] = (storage.nbytes(), f"{func.__name__} {list(t.shape)} {str(t.dtype).replace('torch.', '')}")
+            self.live[key] = (
+                storage.nbytes(),
+                f"{func.__name__} {list(t.shape)} {str(t.dtype).replace('torch.', '')}",
+            )
             weakref.finalize(storage, self._freed, key)
             self.now += storage.nbytes()
             if self.now > self.peak:
@@ -245,9 +299,13 @@ def measure(model, loss_of, ids, *, cpu: bool, warmup: int, steps: int, snapshot
         step()
         sync()
         times.append(time.perf_counter() - start)
-    row = {"step_ms_median": 1e3 * statistics.median(times), "step_ms_each": [round(1e3 * t, 2) for t in times],
-           "param_bytes": sum(p.numel() * p.element_size() for p in params),
-           "saved_bytes": saved["total"], "saved_by_category": saved["by_category"]}
+    row = {
+        "step_ms_median": 1e3 * statistics.median(times),
+        "step_ms_each": [round(1e3 * t, 2) for t in times],
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "saved_bytes": saved["total"],
+        "saved_by_category": saved["by_category"],
+    }
     if cpu:
         state = [t for per in optimizer.state.values() for t in per.values() if isinstance(t, torch.Tensor)]
         with LiveBytes(params + state) as live:
@@ -285,9 +343,15 @@ def peak_sites(snap: dict, top: int = 15) -> list[dict]:
     sites = Counter()
     for event in live.values():
         frames = event.get("frames") or []
-        ours = (f for f in frames if any(k in f["filename"] for k in ("lightning_3d", "transformers", "torchinductor", "micro")))
+        ours = (
+            f
+            for f in frames
+            if any(k in f["filename"] for k in ("lightning_3d", "transformers", "torchinductor", "micro"))
+        )
         where = next(ours, frames[0] if frames else None)
-        sites["?" if where is None else f"{where['filename'].split('/')[-1]}:{where['line']} {where['name']}"] += event["size"]
+        sites[
+            "?" if where is None else f"{where['filename'].split('/')[-1]}:{where['line']} {where['name']}"
+        ] += event["size"]
     return [{"site": k, "mib": round(v / MIB, 1)} for k, v in sites.most_common(top)]
 
 
@@ -324,8 +388,10 @@ def run_case(name: str, args) -> dict:
     torch.compiler.reset()
     d, p = result["dense"], result["3d"]
     result["extra_saved_by_category"] = extra_by_category(d["saved_by_category"], p["saved_by_category"])
-    result["ratio"] = {"saved": p["saved_bytes"] / max(d["saved_bytes"], 1),
-                       "step_time": p["step_ms_median"] / d["step_ms_median"]}
+    result["ratio"] = {
+        "saved": p["saved_bytes"] / max(d["saved_bytes"], 1),
+        "step_time": p["step_ms_median"] / d["step_ms_median"],
+    }
     peak = "peak_live_bytes" if cpu else "peak_allocated_bytes"
     result["ratio"]["peak"] = p[peak] / d[peak]
     return result
@@ -333,11 +399,13 @@ def run_case(name: str, args) -> dict:
 
 def extra_by_category(dense: dict, parallel: dict) -> dict:
     """Saved bytes by dtype: the parallelized model's minus the dense model's (node names differ)."""
+
     def by_dtype(cats):
         out = Counter()
         for k, v in cats.items():
             out[k.rsplit(": ", 1)[-1]] += v
         return out
+
     d, p = by_dtype(dense), by_dtype(parallel)
     return {k: p[k] - d[k] for k in sorted(set(d) | set(p)) if p[k] != d[k]}
 
@@ -346,19 +414,34 @@ def report(result: dict) -> None:
     d, p = result["dense"], result["3d"]
     print(f"\n== {result['case']}: batch {result['batch']} x {result['seq']}, compiled {result['compiled']}")
     for label, row in (("dense", d), ("3d 1x1x1", p)):
-        peak = (f"peak {row['peak_allocated_bytes'] / GIB:.2f} GiB, " if "peak_allocated_bytes" in row
-                else f"peak live in a step {row['peak_live_bytes'] / MIB:.2f} MiB, ")
-        print(f"  {label:9s} {peak}saved {row['saved_bytes'] / MIB:.2f} MiB, step {row['step_ms_median']:.1f} ms")
+        peak = (
+            f"peak {row['peak_allocated_bytes'] / GIB:.2f} GiB, "
+            if "peak_allocated_bytes" in row
+            else f"peak live in a step {row['peak_live_bytes'] / MIB:.2f} MiB, "
+        )
+        print(
+            f"  {label:9s} {peak}saved {row['saved_bytes'] / MIB:.2f} MiB, step {row['step_ms_median']:.1f} ms"
+        )
     print("  ratio 3d/dense:", {k: round(v, 4) for k, v in result["ratio"].items()})
-    print("  extra saved bytes by dtype (MiB):", {k: round(v / MIB, 3) for k, v in result["extra_saved_by_category"].items()})
+    print(
+        "  extra saved bytes by dtype (MiB):",
+        {k: round(v / MIB, 3) for k, v in result["extra_saved_by_category"].items()},
+    )
     for label, row in (("dense", d), ("3d", p)):
-        print(f"  {label} saved by category (MiB):", {k: round(v / MIB, 3) for k, v in row["saved_by_category"].items()})
+        print(
+            f"  {label} saved by category (MiB):",
+            {k: round(v / MIB, 3) for k, v in row["saved_by_category"].items()},
+        )
         print(f"  {label} live at the peak:", row.get("peak_sites"))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default="gpt2,llama,hf-llama", help="comma-separated, of " + ", ".join(CASES))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--cases", default="gpt2,llama,hf-llama", help="comma-separated, of " + ", ".join(CASES)
+    )
     parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU, eager unless --compile")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--batch", type=int, default=None)
@@ -366,8 +449,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--snapshot", action="store_true", 
-                        help="the largest allocation sites live at the peak of one more, recorded step (CUDA)")
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="the largest allocation sites live at the peak of one more, recorded step (CUDA)",
+    )
     parser.add_argument("--tensors", action="store_true", help="list every saved tensor in the JSON")
     parser.add_argument("--out", help="a folder for memory_vs_dense.json")
     args = parser.parse_args()

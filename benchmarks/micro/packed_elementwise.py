@@ -84,11 +84,23 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=11008)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--cpu", action="store_true", help="a smoke test: float32 on CPU, tiny shapes, wall time only")
+    parser.add_argument(
+        "--cpu", action="store_true", help="a smoke test: float32 on CPU, tiny shapes, wall time only"
+    )
     args = parser.parse_args()
     if args.cpu:
-        args.batch, args.seq, args.kv_heads, args.queries_per_kv, args.head_dim, args.ffn, args.repeats = 2, 16, 2, 2, 8, 64, 2
-    device, dtype = (torch.device("cpu"), torch.float32) if args.cpu else (torch.device("cuda"), torch.bfloat16)
+        args.batch, args.seq, args.kv_heads, args.queries_per_kv, args.head_dim, args.ffn, args.repeats = (
+            2,
+            16,
+            2,
+            2,
+            8,
+            64,
+            2,
+        )
+    device, dtype = (
+        (torch.device("cpu"), torch.float32) if args.cpu else (torch.device("cuda"), torch.bfloat16)
+    )
     b, s, p, r, d = args.batch, args.seq, args.px, args.queries_per_kv, args.head_dim
     rope = rope_tables(s, d, 10000.0, device)
 
@@ -104,7 +116,10 @@ def main() -> None:
         "swiglu on separate gate and up": (lambda g, u: F.silu(g) * u, (gate, up)),
         "rope on views": (lambda x: rope_on_views(x, rope, r), (qkv,)),
         "rope, packed_rope": (lambda x: packed_rope(x, rope, r), (qkv,)),
-        "rope on separate q, k, v": (lambda q, k, v: (apply_rope(q, rope), apply_rope(k, rope), v), (q, k, v)),
+        "rope on separate q, k, v": (
+            lambda q, k, v: (apply_rope(q, rope), apply_rope(k, rope), v),
+            (q, k, v),
+        ),
     }
     results = {}
     for name, (fn, inputs) in cases.items():
@@ -115,8 +130,14 @@ def main() -> None:
         print(f"{name:32s} forward + backward: {on_gpu}{wall:7.1f} µs wall", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        record = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(), "torch": torch.__version__, "commit": os.environ.get("BENCH_COMMIT", ""),
-                  "argv": sys.argv, "args": vars(args), "us": results}
+        record = {
+            "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "commit": os.environ.get("BENCH_COMMIT", ""),
+            "argv": sys.argv,
+            "args": vars(args),
+            "us": results,
+        }
         with open(os.path.join(args.out, "packed_elementwise.json"), "w") as f:
             json.dump(record, f, indent=1)
 

@@ -51,9 +51,14 @@ def _measure(build: str, config, grid) -> dict:
     before = _status("VmRSS")
     _reset_peak()
     parallelize(model, grid=grid, device="cpu")
-    return {"build": build, "dense_mb": round(dense, 1),
-            "shards_mb": round(_nbytes(model.parameters()), 1), "rss_before_mb": round(before - base, 1),
-            "peak_during_mb": round(_status("VmHWM") - base, 1), "rss_after_mb": round(_status("VmRSS") - base, 1)}
+    return {
+        "build": build,
+        "dense_mb": round(dense, 1),
+        "shards_mb": round(_nbytes(model.parameters()), 1),
+        "rss_before_mb": round(before - base, 1),
+        "peak_during_mb": round(_status("VmHWM") - base, 1),
+        "rss_after_mb": round(_status("VmRSS") - base, 1),
+    }
 
 
 def _worker(rank: int, world: int, port: int, args, out) -> None:
@@ -64,14 +69,18 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
     from lightning_3d.models import GPTConfig
 
     grid = lightning_3d.init_grid(tuple(args.grid))
-    config = GPTConfig(vocab_size=args.vocab, block_size=256, n_layer=args.layers, n_head=16, n_embd=args.width)
+    config = GPTConfig(
+        vocab_size=args.vocab, block_size=256, n_layer=args.layers, n_head=16, n_embd=args.width
+    )
     row = _measure(args.build, config, grid)
     out.put((rank, row))
     dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--grid", type=int, nargs=3, default=[2, 2, 1])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=1024)
@@ -94,11 +103,15 @@ def main() -> None:
         for p in procs:
             p.join()
         rows.append(results[0])
-    print(f"DenseGPT {args.layers}×{args.width}, vocab {args.vocab}, fp32, grid {'×'.join(map(str, args.grid))}, rank 0 (MiB):")
+    print(
+        f"DenseGPT {args.layers}×{args.width}, vocab {args.vocab}, fp32, grid {'×'.join(map(str, args.grid))}, rank 0 (MiB):"
+    )
     print("| build | dense model | this rank's shards | RSS before parallelize | peak during | RSS after |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['build']} | {r['dense_mb']} | {r['shards_mb']} | {r['rss_before_mb']} | {r['peak_during_mb']} | {r['rss_after_mb']} |")
+        print(
+            f"| {r['build']} | {r['dense_mb']} | {r['shards_mb']} | {r['rss_before_mb']} | {r['peak_during_mb']} | {r['rss_after_mb']} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -46,8 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from lightning_3d.ops.sequence_split import chunks_of, split_sequence, token_positions, unsplit_sequence  # noqa: E402
 from lightning_3d.ops.split_attention import attend_local_chunks  # noqa: E402
 
-
 # --- the forms: a rank's query tokens [b, 2L, h, d] and the whole k, v [b, s, hk, d] → [b, 2L, h·d] --
+
 
 def lse_merge(q, k, v, rank, ranks, scale, _mask):
     return attend_local_chunks(q, k, v, rank, ranks, scale)
@@ -65,15 +65,26 @@ def lower_right(q, k, v, rank, ranks, scale, _mask):
     for slot, chunk in enumerate(chunks_of(rank, ranks)):
         keys = (chunk + 1) * length
         y = F.scaled_dot_product_attention(
-            q[:, slot * length:(slot + 1) * length].transpose(1, 2), k[:, :keys].transpose(1, 2), v[:, :keys].transpose(1, 2),
-            attn_mask=causal_lower_right(length, keys), scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+            q[:, slot * length : (slot + 1) * length].transpose(1, 2),
+            k[:, :keys].transpose(1, 2),
+            v[:, :keys].transpose(1, 2),
+            attn_mask=causal_lower_right(length, keys),
+            scale=scale,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
         outs.append(y.transpose(1, 2))
     return torch.cat(outs, 1).flatten(-2)
 
 
 def flex(q, k, v, rank, ranks, scale, mask):
-    out = FLEX(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, scale=scale,
-               enable_gqa=q.shape[2] != k.shape[2])
+    out = FLEX(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
     return out.transpose(1, 2).flatten(-2)
 
 
@@ -83,8 +94,10 @@ FLEX = None
 
 def _causal_at(positions: torch.Tensor):
     """flex_attention's mask_mod: query row ``qi`` (true position ``positions[qi]``) sees keys up to it."""
+
     def mask_mod(b, h, qi, ki):
         return positions[qi] >= ki
+
     return mask_mod
 
 
@@ -94,7 +107,9 @@ def flex_masks(seq_len: int, ranks: int, device) -> list:
     masks = []
     for r in range(ranks):
         positions = token_positions(seq_len, r, ranks, device)
-        masks.append(create_block_mask(_causal_at(positions), None, None, len(positions), seq_len, device=device))
+        masks.append(
+            create_block_mask(_causal_at(positions), None, None, len(positions), seq_len, device=device)
+        )
     return masks
 
 
@@ -109,6 +124,7 @@ def poison_free_memory(device, gib: float = 16) -> None:
 
 
 # --- timing ------------------------------------------------------------------------------------
+
 
 def median_ms(step, warmup: int, repeats: int, cuda: bool) -> float:
     for _ in range(warmup):
@@ -144,14 +160,19 @@ def run_case(seq_len: int, kv_heads: int, ranks_list, forms, args, device, dtype
     b, h, d = args.batch, args.heads, args.head_dim
     scale = 1 / math.sqrt(d)
     gen = torch.Generator(device).manual_seed(0)
-    q, k, v = (torch.randn(b, seq_len, n, d, device=device, dtype=dtype, generator=gen) for n in (h, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(b, seq_len, n, d, device=device, dtype=dtype, generator=gen)
+        for n in (h, kv_heads, kv_heads)
+    )
     dout = torch.randn(b, seq_len, h * d, device=device, dtype=dtype, generator=gen)
     gqa = kv_heads != h
     warmup, repeats = args.warmup, max(1, args.repeats if seq_len < 65536 else args.repeats_long)
     # float32 reference output (keys expanded: the memory-efficient kernel takes no grouped heads)
     kk, vv = (t.float().repeat_interleave(h // kv_heads, 2).transpose(1, 2) for t in (k, v))
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION] if cuda else [SDPBackend.MATH]):
-        reference = F.scaled_dot_product_attention(q.float().transpose(1, 2), kk, vv, is_causal=True, scale=scale)
+        reference = F.scaled_dot_product_attention(
+            q.float().transpose(1, 2), kk, vv, is_causal=True, scale=scale
+        )
     reference = reference.transpose(1, 2).flatten(-2)
     del kk, vv
     rows = []
@@ -166,10 +187,20 @@ def run_case(seq_len: int, kv_heads: int, ranks_list, forms, args, device, dtype
 
         def dense(lq=lq, lk=lk, lv=lv, backend=backend):
             lq.grad = lk.grad = lv.grad = None
-            chosen = sdpa_kernel([getattr(SDPBackend, backend.upper() + "_ATTENTION")]) if backend != "default" else nullcontext()
+            chosen = (
+                sdpa_kernel([getattr(SDPBackend, backend.upper() + "_ATTENTION")])
+                if backend != "default"
+                else nullcontext()
+            )
             with chosen:
-                y = F.scaled_dot_product_attention(lq.transpose(1, 2), lk.transpose(1, 2), lv.transpose(1, 2),
-                                                   is_causal=True, scale=scale, enable_gqa=gqa)
+                y = F.scaled_dot_product_attention(
+                    lq.transpose(1, 2),
+                    lk.transpose(1, 2),
+                    lv.transpose(1, 2),
+                    is_causal=True,
+                    scale=scale,
+                    enable_gqa=gqa,
+                )
             y = y.transpose(1, 2).flatten(-2)
             y.backward(dout)
             return y
@@ -178,10 +209,22 @@ def run_case(seq_len: int, kv_heads: int, ranks_list, forms, args, device, dtype
             poison_free_memory(device)
             y = dense()
         except RuntimeError as e:
-            rows.append({"seq_len": seq_len, "kv_heads": kv_heads, "form": f"sdpa_{backend}", "error": str(e).splitlines()[0]})
+            rows.append(
+                {
+                    "seq_len": seq_len,
+                    "kv_heads": kv_heads,
+                    "form": f"sdpa_{backend}",
+                    "error": str(e).splitlines()[0],
+                }
+            )
             continue
-        row = {"seq_len": seq_len, "kv_heads": kv_heads, "ranks": 1, "form": f"sdpa_{backend}",
-               "out_err_vs_fp32": (y.float() - reference).abs().max().item()}
+        row = {
+            "seq_len": seq_len,
+            "kv_heads": kv_heads,
+            "ranks": 1,
+            "form": f"sdpa_{backend}",
+            "out_err_vs_fp32": (y.float() - reference).abs().max().item(),
+        }
         if base is None:
             base = {"out": y.detach(), "grads": [t.grad for t in (lq, lk, lv)], "name": backend}
         row["ms"] = median_ms(dense, warmup, repeats, cuda)
@@ -255,13 +298,19 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (smoke test)")
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768, 131072])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--kv-heads", type=int, nargs="+", default=[8, 32], help="8: grouped-query (Llama-2/3 style), 32: MHA")
+    p.add_argument(
+        "--kv-heads", type=int, nargs="+", default=[8, 32], help="8: grouped-query (Llama-2/3 style), 32: MHA"
+    )
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
-    p.add_argument("--backends", nargs="+", default=["default", "flash", "cudnn", "efficient"],
-                   help="backends of the whole-sequence SDPA (the fastest is the baseline)")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=["default", "flash", "cudnn", "efficient"],
+        help="backends of the whole-sequence SDPA (the fastest is the baseline)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--repeats-long", type=int, default=3, help="repeats at s >= 64k")
@@ -280,8 +329,15 @@ def main() -> None:
 
         FLEX = flex_attention if args.cpu else torch.compile(flex_attention, dynamic=False)
         torch._dynamo.config.cache_size_limit = 64  # one graph per (query length, key length, heads)
-    result = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "dtype": str(dtype), "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch, "rows": []}
+    result = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "batch": args.batch,
+        "rows": [],
+    }
     for seq_len in args.seq:
         for kv_heads in args.kv_heads:
             result["rows"] += run_case(seq_len, kv_heads, args.ranks, args.forms, args, device, dtype)

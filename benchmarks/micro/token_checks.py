@@ -28,15 +28,24 @@ sys.path[:0] = [BENCHMARKS, os.path.dirname(BENCHMARKS)]  # the whole-job tool, 
 
 import measure  # noqa: E402
 import train_job  # noqa: E402
+
 from lightning_3d.models import DenseGPT, GPTConfig  # noqa: E402
 from lightning_3d.parallel import set_options  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU, a tiny model")
-    parser.add_argument("--model", default=None, help=f"one of {sorted(train_job.MODELS)} (default gpt2-1.3b; tiny-gpt2 with --cpu)")
-    parser.add_argument("--case", default="3d 1x1x1", help="a 3d case of train_job.py whose grid fits the world")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"one of {sorted(train_job.MODELS)} (default gpt2-1.3b; tiny-gpt2 with --cpu)",
+    )
+    parser.add_argument(
+        "--case", default="3d 1x1x1", help="a 3d case of train_job.py whose grid fits the world"
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=5, help="steps per setting per round")
     parser.add_argument("--warmup", type=int, default=3)
@@ -78,20 +87,43 @@ def main() -> None:
             times[check].append(steps)
     gc.enable()
     # the step time of the slowest rank, step by step
-    flat = {c: torch.tensor([t for r in times[c] for t in r], dtype=torch.float64, device=run.device) for c in times}
+    flat = {
+        c: torch.tensor([t for r in times[c] for t in r], dtype=torch.float64, device=run.device)
+        for c in times
+    }
     for t in flat.values():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    per_round = {c: [statistics.median(flat[c][i * args.steps:(i + 1) * args.steps].tolist()) for i in range(args.rounds)] for c in flat}
+    per_round = {
+        c: [
+            statistics.median(flat[c][i * args.steps : (i + 1) * args.steps].tolist())
+            for i in range(args.rounds)
+        ]
+        for c in flat
+    }
     on, off = statistics.median(flat[True].tolist()), statistics.median(flat[False].tolist())
     diffs = [a - b for a, b in zip(per_round[True], per_round[False])]
-    result = {"model": name, "case": method.label, "world": run.world, "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
-              "torch": torch.__version__, "commit": os.environ.get("BENCH_COMMIT", ""), "argv": sys.argv,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "check_on_ms": on, "check_off_ms": off, "cost_ms": on - off, "cost_pct": 100 * (on - off) / off,
-              "round_diffs_ms": diffs, "round_medians_ms": per_round}
+    result = {
+        "model": name,
+        "case": method.label,
+        "world": run.world,
+        "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": os.environ.get("BENCH_COMMIT", ""),
+        "argv": sys.argv,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "check_on_ms": on,
+        "check_off_ms": off,
+        "cost_ms": on - off,
+        "cost_pct": 100 * (on - off) / off,
+        "round_diffs_ms": diffs,
+        "round_medians_ms": per_round,
+    }
     if run.rank == 0:
-        print(f"{name} {method.label}: check on {on:.2f} ms, off {off:.2f} ms, cost {on - off:+.2f} ms ({result['cost_pct']:+.2f}%); "
-              f"per-round differences {min(diffs):+.2f} .. {max(diffs):+.2f} ms", flush=True)
+        print(
+            f"{name} {method.label}: check on {on:.2f} ms, off {off:.2f} ms, cost {on - off:+.2f} ms ({result['cost_pct']:+.2f}%); "
+            f"per-round differences {min(diffs):+.2f} .. {max(diffs):+.2f} ms",
+            flush=True,
+        )
         os.makedirs(args.out, exist_ok=True)
         tag = method.label.replace(" ", "_")
         with open(os.path.join(args.out, f"check_w{run.world}_{name}_{tag}.json"), "w") as f:

@@ -34,7 +34,9 @@ def strategy_class() -> type:
     for namespace in NAMESPACES:
         if installed(namespace):
             return register(namespace)
-    raise ImportError("Tensor3DDeepSpeedStrategy needs Lightning: pip install lightning (or pytorch-lightning)")
+    raise ImportError(
+        "Tensor3DDeepSpeedStrategy needs Lightning: pip install lightning (or pytorch-lightning)"
+    )
 
 
 __all__ = ["NAMESPACES", "register", "register_on_import", "strategy_class"]

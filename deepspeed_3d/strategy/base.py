@@ -25,8 +25,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -69,14 +70,23 @@ class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlob
     reset_seed: ClassVar[Callable[[], None]]
     remove_module_hooks: ClassVar[Callable[[torch.nn.Module], None]]
 
-    def __init__(self, *args, grid: tuple[int, int, int] | None = None,
-                 checkpoint_on_preemption: str | os.PathLike | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        grid: tuple[int, int, int] | None = None,
+        checkpoint_on_preemption: str | os.PathLike | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.checkpoint_on_preemption = None if checkpoint_on_preemption is None else Path(checkpoint_on_preemption)
+        self.checkpoint_on_preemption = (
+            None if checkpoint_on_preemption is None else Path(checkpoint_on_preemption)
+        )
         if grid is not None:
             shape = grid_shape({SECTION: {"grid": list(grid)}})
             if grid_shape(self.config) not in (None, shape):
-                raise ValueError(f'grid={tuple(grid)} disagrees with the config\'s "{SECTION}": {self.config[SECTION]}; give one of them')
+                raise ValueError(
+                    f'grid={tuple(grid)} disagrees with the config\'s "{SECTION}": {self.config[SECTION]}; give one of them'
+                )
             self.config[SECTION] = {**self.config.get(SECTION, {}), "grid": list(shape)}
         self._grid: Grid | None = None
         self._resumed_from: tuple | None = None
@@ -120,33 +130,55 @@ class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlob
 
     def _device_args(self) -> argparse.Namespace | None:
         """DeepSpeed's ``args``: the CUDA device index, or None on CPU (DeepSpeed then takes LOCAL_RANK)."""
-        return argparse.Namespace(device_rank=self.root_device.index) if self.root_device.type == "cuda" else None
+        return (
+            argparse.Namespace(device_rank=self.root_device.index)
+            if self.root_device.type == "cuda"
+            else None
+        )
 
     def _setup_model_and_optimizer(self, model: torch.nn.Module, optimizer, lr_scheduler=None):
         parameters = [p for p in model.parameters() if p.requires_grad]
         engine, ds_optimizer, _, _ = initialize(
-            args=self._device_args(), config=self.config, model=model,
-            model_parameters=parameters, optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False,
+            args=self._device_args(),
+            config=self.config,
+            model=model,
+            model_parameters=parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
         )
         return engine, ds_optimizer
 
     def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
         """validate/test/predict without fit: an engine over the grid too (no whole-world broadcast)."""
-        config = {key: self.config[key] for key in ("fp16", "bf16", "zero_optimization", "zero_allow_untested_optimizer", SECTION) if key in self.config}
+        config = {
+            key: self.config[key]
+            for key in ("fp16", "bf16", "zero_optimization", "zero_allow_untested_optimizer", SECTION)
+            if key in self.config
+        }
         if not self.zero_stage_3:
             config.pop("zero_optimization", None)
         config["train_micro_batch_size_per_gpu"] = 1
         self.remove_module_hooks(model)
-        self.model, _, _, _ = initialize(args=self._device_args(), config=config,
-                                         model=model, model_parameters=[], dist_init_required=False)
+        self.model, _, _, _ = initialize(
+            args=self._device_args(),
+            config=config,
+            model=model,
+            model_parameters=[],
+            dist_init_required=False,
+        )
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
+    ) -> None:
         """DeepSpeed's checkpoint, with the model's sharding record among the client state (not over the one this run resumed from)."""
         if resume_point(self.broadcast(str(filepath)), checkpoint) == self._resumed_from:
             if self.is_global_zero:
                 print(skip_message(filepath), flush=True)
             return
-        super().save_checkpoint({**checkpoint, RECORD_KEY: engine_record(self.deepspeed_engine)}, filepath, storage_options)
+        super().save_checkpoint(
+            {**checkpoint, RECORD_KEY: engine_record(self.deepspeed_engine)}, filepath, storage_options
+        )
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """DeepSpeed's load, after refusing a checkpoint of another grid."""
@@ -159,4 +191,9 @@ class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlob
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        strategy_registry.register("tensor3d_deepspeed", cls, description="DeepSpeed ZeRO over dp with 3-D tensor parallelism (deepspeed_3d)", override=True)
+        strategy_registry.register(
+            "tensor3d_deepspeed",
+            cls,
+            description="DeepSpeed ZeRO over dp with 3-D tensor parallelism (deepspeed_3d)",
+            override=True,
+        )

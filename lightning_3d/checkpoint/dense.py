@@ -45,7 +45,11 @@ def root_info(root: dict[str, Any] | None, prefix: str | None = None) -> dict[st
     if prefix is None:
         prefix = root["prefix"]
     same = prefix == root["prefix"]
-    return {"format": DENSE_FORMAT, "prefix": prefix, **{k: root.get(k) if same else None for k in ("model", "config_class", "config")}}
+    return {
+        "format": DENSE_FORMAT,
+        "prefix": prefix,
+        **{k: root.get(k) if same else None for k in ("model", "config_class", "config")},
+    }
 
 
 def to_dense(path: str | Path, prefix: str | None = None) -> dict[str, torch.Tensor]:
@@ -61,20 +65,31 @@ def to_dense(path: str | Path, prefix: str | None = None) -> dict[str, torch.Ten
     metadata = verified_metadata(path, collective=False)
     prefix = dense_info(path, prefix)["prefix"]
     record = json.loads((path / RECORD_FILE).read_text())
-    shapes, transposed, orders = record["dense_shapes"], set(record.get("dense_transposed", ())), record.get("dense_row_orders", {})
+    shapes, transposed, orders = (
+        record["dense_shapes"],
+        set(record.get("dense_transposed", ())),
+        record.get("dense_row_orders", {}),
+    )
     head = f"{MODEL_KEY}."
-    full = {fqn[len(head):]: torch.empty(md.size, dtype=md.properties.dtype)
-            for fqn, md in metadata.state_dict_metadata.items()
-            if fqn.startswith(head + prefix) and isinstance(md, TensorStorageMetadata)}
+    full = {
+        fqn[len(head) :]: torch.empty(md.size, dtype=md.properties.dtype)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if fqn.startswith(head + prefix) and isinstance(md, TensorStorageMetadata)
+    }
     if not full:
         raise CheckpointError(f"{path} holds no model tensors under the prefix {prefix!r}")
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the point here
         warnings.simplefilter("ignore", UserWarning)
         load_dcp({MODEL_KEY: full}, path, no_dist=True)
-    return {k[len(prefix):]: global_to_dense(t, shapes.get(k), k in transposed, orders.get(k)) for k, t in full.items()}
+    return {
+        k[len(prefix) :]: global_to_dense(t, shapes.get(k), k in transposed, orders.get(k))
+        for k, t in full.items()
+    }
 
 
-def save_dense(state: dict[str, torch.Tensor], output: str | Path, info: dict[str, Any] | None = None) -> None:
+def save_dense(
+    state: dict[str, torch.Tensor], output: str | Path, info: dict[str, Any] | None = None
+) -> None:
     """Write a dense state dict with ``info`` (:func:`dense_info`) beside it, and say what was written."""
     output = Path(output)
     text = json.dumps(info or {"format": DENSE_FORMAT, "config": None})

@@ -24,8 +24,11 @@ SUFFIX = "_extra_state"
 
 def extra_state_modules(module: nn.Module) -> dict[str, nn.Module]:
     """State-dict key → submodule, for each submodule that defines ``get_extra_state``."""
-    return {f"{prefix}.{SUFFIX}" if prefix else SUFFIX: sub for prefix, sub in module.named_modules()
-            if type(sub).get_extra_state is not nn.Module.get_extra_state}
+    return {
+        f"{prefix}.{SUFFIX}" if prefix else SUFFIX: sub
+        for prefix, sub in module.named_modules()
+        if type(sub).get_extra_state is not nn.Module.get_extra_state
+    }
 
 
 def encode(key: str, value: Any, owner: nn.Module) -> torch.Tensor | str:
@@ -42,7 +45,8 @@ def encode(key: str, value: Any, owner: nn.Module) -> torch.Tensor | str:
             f"{key}: {type(owner).__name__}.get_extra_state() returned {_shown(value)}, which a checkpoint cannot hold "
             f"safely (loading must not unpickle arbitrary objects). Return a tensor or plain JSON data from "
             f"get_extra_state (dicts with str keys, lists, str, int, float, bool, None; no tuples, NaN or objects) "
-            f"and rebuild the rest in set_extra_state")
+            f"and rebuild the rest in set_extra_state"
+        )
     return text
 
 
@@ -54,11 +58,17 @@ def decode(key: str, saved: Any) -> Any:
         try:
             return json.loads(saved)
         except ValueError as e:
-            raise CheckpointError(f"the checkpoint's {key} is not the JSON text of an extra state: {e}") from None
-    raise CheckpointError(f"the checkpoint's {key} holds {_shown(saved)}, not a tensor or the JSON text of an extra state")
+            raise CheckpointError(
+                f"the checkpoint's {key} is not the JSON text of an extra state: {e}"
+            ) from None
+    raise CheckpointError(
+        f"the checkpoint's {key} holds {_shown(saved)}, not a tensor or the JSON text of an extra state"
+    )
 
 
-def restore_(module: nn.Module, loaded: dict[str, Any], saved_key: Callable[[str], str] = lambda key: key) -> None:
+def restore_(
+    module: nn.Module, loaded: dict[str, Any], saved_key: Callable[[str], str] = lambda key: key
+) -> None:
     """Give every submodule with extra state its value from ``loaded`` (keys mapped by ``saved_key``), where present."""
     for key, sub in extra_state_modules(module).items():
         if saved_key(key) in loaded:

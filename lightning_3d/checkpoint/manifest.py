@@ -53,12 +53,16 @@ def read_manifest(root: str | Path) -> dict:
     file = root / MANIFEST_FILE
     if not file.is_file():
         what = "does not exist" if not root.exists() else f"has no {MANIFEST_FILE}"
-        raise CheckpointError(f"{root} {what}: it is not a complete lightning_3d checkpoint (its writer died before "
-                              f"every rank's files were on disk, or it was written by an older version)")
+        raise CheckpointError(
+            f"{root} {what}: it is not a complete lightning_3d checkpoint (its writer died before "
+            f"every rank's files were on disk, or it was written by an older version)"
+        )
     try:
         manifest = json.loads(file.read_text())
         files = manifest["files"]
-        ok = manifest["format"] == FORMAT and all(_safe_name(n) and set(e) >= {"size", "sha256"} for n, e in files.items())
+        ok = manifest["format"] == FORMAT and all(
+            _safe_name(n) and set(e) >= {"size", "sha256"} for n, e in files.items()
+        )
     except (ValueError, KeyError, TypeError, AttributeError):
         ok = False
     if not ok:

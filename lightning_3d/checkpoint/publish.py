@@ -85,7 +85,8 @@ def is_complete(path: Path) -> bool:
     try:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
         return manifest["format"] == FORMAT and all(
-            (path / name).stat().st_size == entry["size"] for name, entry in manifest["files"].items())
+            (path / name).stat().st_size == entry["size"] for name, entry in manifest["files"].items()
+        )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
@@ -103,6 +104,9 @@ def latest_complete(directory: str | Path) -> Path | None:
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    found = [p for p in directory.iterdir()
-             if (not p.name.startswith(".") or p.name.endswith(".old")) and p.is_dir() and is_complete(p)]
+    found = [
+        p
+        for p in directory.iterdir()
+        if (not p.name.startswith(".") or p.name.endswith(".old")) and p.is_dir() and is_complete(p)
+    ]
     return max(found, key=lambda p: (_saved_at(p), not p.name.startswith("."), p.name), default=None)

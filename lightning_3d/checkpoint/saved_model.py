@@ -37,8 +37,12 @@ def dense_root(module: nn.Module) -> dict[str, Any]:
         prefix = f"{name}." if name else ""
         config = getattr(sub, "config", None)
         if config is not None and all(p.startswith(prefix) for p in sharded):
-            return {"prefix": prefix, "model": type(sub).__name__, "config_class": type(config).__name__,
-                    "config": _plain(config)}
+            return {
+                "prefix": prefix,
+                "model": type(sub).__name__,
+                "config_class": type(config).__name__,
+                "config": _plain(config),
+            }
     return {"prefix": "", "model": type(module).__name__, "config_class": None, "config": None}
 
 
@@ -53,8 +57,14 @@ def _names(keys: list[str]) -> str:
     return ", ".join(keys[:_SHOWN]) + (f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else "")
 
 
-def check_fits(path: object, saved: dict[str, list[int]], saved_dense: dict[str, list[int]],
-               own: dict[str, list[int]], own_dense: dict[str, list[int]], strict: bool) -> None:
+def check_fits(
+    path: object,
+    saved: dict[str, list[int]],
+    saved_dense: dict[str, list[int]],
+    own: dict[str, list[int]],
+    own_dense: dict[str, list[int]],
+    strict: bool,
+) -> None:
     """Refuse a checkpoint whose tensors do not fit the model, naming both shapes.
 
     Args:
@@ -68,15 +78,24 @@ def check_fits(path: object, saved: dict[str, list[int]], saved_dense: dict[str,
         if was != now:
             differ.append(f"checkpoint holds {key} {was}; this model has {now}")
         elif saved[key] != own[key]:
-            differ.append(f"checkpoint holds {key} as a global tensor of {saved[key]}; this model's is {own[key]} "
-                          f"(a different padding: GPTConfig.vocab_multiple)")
+            differ.append(
+                f"checkpoint holds {key} as a global tensor of {saved[key]}; this model's is {own[key]} "
+                f"(a different padding: GPTConfig.vocab_multiple)"
+            )
     if differ:
-        raise CheckpointError(f"{path} was saved from another model: " + "; ".join(differ[:_SHOWN])
-                              + (f"; and {len(differ) - _SHOWN} more" if len(differ) > _SHOWN else ""))
+        raise CheckpointError(
+            f"{path} was saved from another model: "
+            + "; ".join(differ[:_SHOWN])
+            + (f"; and {len(differ) - _SHOWN} more" if len(differ) > _SHOWN else "")
+        )
     missing, unexpected = sorted(own.keys() - saved.keys()), sorted(saved.keys() - own.keys())
     if strict and (missing or unexpected):
         parts = ([f"this model's {_names(missing)} are not in it"] if missing else []) + (
-            [f"it holds {_names(unexpected)}, which this model lacks"] if unexpected else [])
-        raise CheckpointError(f"{path} was saved from another model ({len(saved)} tensors, this model has {len(own)}): "
-                              + "; ".join(parts) + ". Load the tensors both have with strict loading off "
-                              "(LightningModule.strict_loading = False)")
+            [f"it holds {_names(unexpected)}, which this model lacks"] if unexpected else []
+        )
+        raise CheckpointError(
+            f"{path} was saved from another model ({len(saved)} tensors, this model has {len(own)}): "
+            + "; ".join(parts)
+            + ". Load the tensors both have with strict loading off "
+            "(LightningModule.strict_loading = False)"
+        )

@@ -19,7 +19,17 @@ from ..dense_twin import dense_row_orders, dense_shapes, dense_transposed
 from ..grid import Grid
 from ..sharding import get_spec
 from . import extra_state, manifest
-from .files import DCP_METADATA, FORMAT, META_FILE, MODEL_KEY, RECORD_FILE, RNG_DIR, CheckpointError, optimizer_key, rng_file
+from .files import (
+    DCP_METADATA,
+    FORMAT,
+    META_FILE,
+    MODEL_KEY,
+    RECORD_FILE,
+    RNG_DIR,
+    CheckpointError,
+    optimizer_key,
+    rng_file,
+)
 from .publish import publish, remove, staging_path
 from .rng import rng_state
 from .saved_model import check_fits, dense_root
@@ -37,16 +47,24 @@ def _gather(value, failure: str | None, what: str) -> list:
     return [v for v, _ in gathered]
 
 
-def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None, allowed: Sequence[type]) -> None:
+def _local_files(
+    staging: Path, grid: Grid, module: nn.Module, meta: dict | None, allowed: Sequence[type]
+) -> None:
     """Write this rank's RNG file and, on rank 0, the sharding record (``layout.json``) and ``meta.pt``."""
     rank = dist.get_rank()
     manifest.write_durably(staging / rng_file(rank), json.dumps(rng_state()).encode())
     if rank:
         return
-    record = {"format": FORMAT, "grid": list(grid.shape), "data_parallel_size": grid.data_parallel_size,
-              "world_size": dist.get_world_size(), "dense_shapes": dense_shapes(module),
-              "dense_transposed": dense_transposed(module), "dense_row_orders": dense_row_orders(module),
-              "dense_root": dense_root(module)}
+    record = {
+        "format": FORMAT,
+        "grid": list(grid.shape),
+        "data_parallel_size": grid.data_parallel_size,
+        "world_size": dist.get_world_size(),
+        "dense_shapes": dense_shapes(module),
+        "dense_transposed": dense_transposed(module),
+        "dense_row_orders": dense_row_orders(module),
+        "dense_root": dense_root(module),
+    }
     manifest.write_durably(staging / RECORD_FILE, json.dumps(record, indent=1, default=str).encode())
     if meta is not None:
         buffer = io.BytesIO()
@@ -58,8 +76,14 @@ def _local_files(staging: Path, grid: Grid, module: nn.Module, meta: dict | None
             warnings.warn(f"this checkpoint's meta will load only when trusted: {e}", stacklevel=3)
 
 
-def save(path: str | Path, tensors: dict, grid: Grid, module: nn.Module, meta: dict | None = None,
-         allowed: Sequence[type] = ()) -> None:
+def save(
+    path: str | Path,
+    tensors: dict,
+    grid: Grid,
+    module: nn.Module,
+    meta: dict | None = None,
+    allowed: Sequence[type] = (),
+) -> None:
     """Write a sharded checkpoint at ``path``, visible only once complete. Collective over the world.
 
     Args:
@@ -91,8 +115,13 @@ def save(path: str | Path, tensors: dict, grid: Grid, module: nn.Module, meta: d
         failure = f"cannot write its files into {staging}: {e}"
     _gather(None, failure, f"no checkpoint was written at {path}")
     data_files = sorted({info.relative_path for info in read_dcp_metadata(staging).storage_data.values()})
-    names = sorted([DCP_METADATA] + data_files + [rng_file(r) for r in range(world)] + [RECORD_FILE]
-                   + ([META_FILE] if meta is not None else []))
+    names = sorted(
+        [DCP_METADATA]
+        + data_files
+        + [rng_file(r) for r in range(world)]
+        + [RECORD_FILE]
+        + ([META_FILE] if meta is not None else [])
+    )
     try:
         part = {n: manifest.file_entry(staging, n) for n in names[rank::world]}
     except OSError as e:
@@ -157,8 +186,11 @@ def verified_metadata(path: str | Path, collective: bool):
 def saved_shapes(metadata, key: str) -> dict[str, list[int]]:
     """Global shapes of the tensors saved under top-level ``key``, by their name inside it."""
     head = f"{key}."
-    return {fqn[len(head):]: list(md.size) for fqn, md in metadata.state_dict_metadata.items()
-            if fqn.startswith(head) and isinstance(md, TensorStorageMetadata)}
+    return {
+        fqn[len(head) :]: list(md.size)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if fqn.startswith(head) and isinstance(md, TensorStorageMetadata)
+    }
 
 
 def saved_key(path: str | Path, module: nn.Module) -> Callable[[str], str]:
@@ -172,7 +204,7 @@ def saved_key(path: str | Path, module: nn.Module) -> Callable[[str], str]:
     own = dense_root(module)["prefix"]
     if saved == own:
         return lambda key: key
-    return lambda key: saved + key[len(own):] if key.startswith(own) else key
+    return lambda key: saved + key[len(own) :] if key.startswith(own) else key
 
 
 def load_model_(module: nn.Module, grid: Grid, path: str | Path, strict: bool = True) -> None:
@@ -188,10 +220,19 @@ def load_model_(module: nn.Module, grid: Grid, path: str | Path, strict: bool = 
     metadata = verified_metadata(path, collective=True)
     record = json.loads((path / RECORD_FILE).read_text())
     key = saved_key(path, module)
-    check_fits(path, saved_shapes(metadata, MODEL_KEY), record.get("dense_shapes", {}),
-               {key(k): v for k, v in global_shapes(module).items()}, {key(k): v for k, v in dense_shapes(module).items()}, strict)
-    state = {key(k): v for k, v in model_state(module, grid).items()
-             if strict or f"{MODEL_KEY}.{key(k)}" in metadata.state_dict_metadata}
+    check_fits(
+        path,
+        saved_shapes(metadata, MODEL_KEY),
+        record.get("dense_shapes", {}),
+        {key(k): v for k, v in global_shapes(module).items()},
+        {key(k): v for k, v in dense_shapes(module).items()},
+        strict,
+    )
+    state = {
+        key(k): v
+        for k, v in model_state(module, grid).items()
+        if strict or f"{MODEL_KEY}.{key(k)}" in metadata.state_dict_metadata
+    }
     load_dcp({MODEL_KEY: state}, path, allow_partial_load=not strict)
     extra_state.restore_(module, state, key)
 
@@ -227,12 +268,16 @@ def load_optimizer_(
     """
     key = optimizer_key(index)
     if len(param_groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"{key}: the checkpoint has {len(param_groups)} param groups, the optimizer {len(optimizer.param_groups)}")
+        raise CheckpointError(
+            f"{key}: the checkpoint has {len(param_groups)} param groups, the optimizer {len(optimizer.param_groups)}"
+        )
     by_name = {}
     for saved, group in zip(param_groups, optimizer.param_groups):
         own = [names[id(p)] for p in group["params"]]
         if sorted(own) != sorted(saved["params"]):
-            raise CheckpointError(f"{key}: a param group holds {own} but the checkpoint's holds {saved['params']}")
+            raise CheckpointError(
+                f"{key}: a param group holds {own} but the checkpoint's holds {saved['params']}"
+            )
         by_name.update(zip(own, group["params"]))
     prefix = f"{key}.state."
     reader = SafeReader(str(path))
@@ -240,11 +285,13 @@ def load_optimizer_(
     for fqn, md in reader.read_metadata().state_dict_metadata.items():
         if not fqn.startswith(prefix):
             continue
-        name, _, k = fqn[len(prefix):].rpartition(".")
+        name, _, k = fqn[len(prefix) :].rpartition(".")
         if name in by_name and holds_state(by_name[name]):
             wanted.setdefault(name, {})[k] = _placeholder(md, by_name[name], grid)
     load_dcp({key: {"state": wanted}}, path, reader=reader)
     for name, values in wanted.items():
-        optimizer.state[by_name[name]] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
+        optimizer.state[by_name[name]] = {
+            k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()
+        }
     for saved, group in zip(param_groups, optimizer.param_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})

@@ -34,10 +34,28 @@ from ..agreement import describe_ranks
 from .files import DCP_METADATA, CheckpointError
 
 _METADATA_OBJECTS = (
-    *(getattr(dcp_metadata, n) for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                                         "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
-    dcp_filesystem._StorageInfo, torch.Size, torch.serialization._get_layout, collections.OrderedDict,
-    pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
+    *(
+        getattr(dcp_metadata, n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    dcp_filesystem._StorageInfo,
+    torch.Size,
+    torch.serialization._get_layout,
+    collections.OrderedDict,
+    pathlib.Path,
+    pathlib.PosixPath,
+    pathlib.WindowsPath,
+    pathlib.PurePosixPath,
+    pathlib.PureWindowsPath,
 )
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {(o.__module__, o.__qualname__): o for o in _METADATA_OBJECTS}
 """``(module, name)`` → object: everything DCP's ``.metadata`` may name (torch dtypes, layouts and
@@ -71,8 +89,10 @@ def read_dcp_metadata(path: str | Path) -> Metadata:
     except FileNotFoundError:
         raise CheckpointError(f"{file} is missing: {path} is not a complete sharded checkpoint") from None
     except Exception as e:  # any malformed pickle: truncated, crafted, of another program
-        raise CheckpointError(f"refusing to read {file}: {e}. The file is damaged or was crafted to run code; "
-                              f"nothing in it was executed") from None
+        raise CheckpointError(
+            f"refusing to read {file}: {e}. The file is damaged or was crafted to run code; "
+            f"nothing in it was executed"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{file} holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
@@ -102,17 +122,25 @@ class SafePlanner(DefaultLoadPlanner):
             with torch.serialization.safe_globals(meta_globals()):
                 torch.load(io.BytesIO(data), weights_only=True)
         except Exception as e:
-            info = self.metadata.storage_data.get(read_item.storage_index) if self.metadata is not None else None
+            info = (
+                self.metadata.storage_data.get(read_item.storage_index) if self.metadata is not None else None
+            )
             raise CheckpointError(
                 f"refusing to read the entry {read_item.dest_index.fqn!r} in {getattr(info, 'relative_path', 'its shard')}: "
                 f"{_first_line(e)}; nothing in it was executed. The file is damaged or was crafted to run code; a checkpoint "
                 f"you trust whose state holds objects of your own classes loads once they are allowed with "
-                f"torch.serialization.add_safe_globals([cls])") from None
+                f"torch.serialization.add_safe_globals([cls])"
+            ) from None
         super().load_bytes(read_item, io.BytesIO(data))  # the same bytes: only the globals just allowed
 
 
-def load_dcp(state: dict, path: str | Path, reader: SafeReader | None = None, allow_partial_load: bool = False,
-             no_dist: bool = False) -> None:
+def load_dcp(
+    state: dict,
+    path: str | Path,
+    reader: SafeReader | None = None,
+    allow_partial_load: bool = False,
+    no_dist: bool = False,
+) -> None:
     """``dcp.load`` of ``state`` from checkpoint ``path`` through :class:`SafeReader` and :class:`SafePlanner`.
 
     A failure on any rank raises the same :class:`CheckpointError` on every rank, naming each
@@ -120,8 +148,12 @@ def load_dcp(state: dict, path: str | Path, reader: SafeReader | None = None, al
     that one is let through as it is when a cause is no ``Exception`` (Ctrl-C, ``SystemExit``).
     """
     try:
-        dcp.load(state, storage_reader=reader or SafeReader(path), planner=SafePlanner(allow_partial_load=allow_partial_load),
-                 no_dist=no_dist)
+        dcp.load(
+            state,
+            storage_reader=reader or SafeReader(path),
+            planner=SafePlanner(allow_partial_load=allow_partial_load),
+            no_dist=no_dist,
+        )
     except CheckpointException as e:
         if not all(isinstance(_cause(f), Exception) for f in e.failures.values()):
             raise
@@ -138,7 +170,11 @@ def _causes(e: CheckpointException) -> str:
     ranks_of: dict[str, list[int]] = {}
     for rank, failure in sorted(e.failures.items()):
         cause = _cause(failure)
-        text = str(cause) if isinstance(cause, CheckpointError) else f"{type(cause).__name__}: {_first_line(cause)}"
+        text = (
+            str(cause)
+            if isinstance(cause, CheckpointError)
+            else f"{type(cause).__name__}: {_first_line(cause)}"
+        )
         ranks_of.setdefault(text, []).append(rank)
     return "; ".join(f"{describe_ranks(ranks)}: {text}" for text, ranks in ranks_of.items())
 
@@ -159,7 +195,8 @@ def load_weights_only(file: str | Path, trusted: bool = False, allowed: Sequence
         raise CheckpointError(
             f"refusing to read {file}: {_first_line(e)} Nothing in it was executed. A checkpoint you trust that holds "
             f"objects of your own classes (e.g. hyper-parameters) loads with torch.serialization.add_safe_globals([cls]) "
-            f"or Trainer.fit(..., weights_only=False)") from None
+            f"or Trainer.fit(..., weights_only=False)"
+        ) from None
     except Exception as e:
         raise CheckpointError(f"cannot read {file}: {_first_line(e)}") from None
 

@@ -37,13 +37,25 @@ def _permuted_mesh(grid: Grid, order: tuple[str, ...]) -> DeviceMesh:
 def sharded_view(local: torch.Tensor, spec: ShardSpec, grid: Grid) -> DTensor:
     """A DTensor sharing ``local``'s storage, placed on the grid as ``spec`` says."""
     if tuple(local.shape) != spec.local_shape(grid):
-        raise ValueError(f"a shard of {spec.describe(grid)} must have shape {list(spec.local_shape(grid))}, got {list(local.shape)}")
+        raise ValueError(
+            f"a shard of {spec.describe(grid)} must have shape {list(spec.local_shape(grid))}, got {list(local.shape)}"
+        )
     cutting = tuple(a for axes in spec.dims for a in axes)
     order = ("dp",) + cutting + tuple(spec.replicated_axes)
-    placements = [Replicate()] + [Shard(d) for d, axes in enumerate(spec.dims) for _ in axes] + [Replicate()] * len(spec.replicated_axes)
-    stride = tuple(math.prod(spec.global_shape[d + 1:]) for d in range(len(spec.global_shape)))
-    return DTensor.from_local(local.detach(), _permuted_mesh(grid, order), placements, run_check=False,
-                              shape=torch.Size(spec.global_shape), stride=stride)
+    placements = (
+        [Replicate()]
+        + [Shard(d) for d, axes in enumerate(spec.dims) for _ in axes]
+        + [Replicate()] * len(spec.replicated_axes)
+    )
+    stride = tuple(math.prod(spec.global_shape[d + 1 :]) for d in range(len(spec.global_shape)))
+    return DTensor.from_local(
+        local.detach(),
+        _permuted_mesh(grid, order),
+        placements,
+        run_check=False,
+        shape=torch.Size(spec.global_shape),
+        stride=stride,
+    )
 
 
 def _view(t: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -55,14 +67,19 @@ def model_state(module: nn.Module, grid: Grid) -> dict[str, torch.Tensor | str]:
     """The module's state dict with every 3-D tensor as a DTensor view (no copies, no communication);
     extra state (``get_extra_state``) as :func:`.extra_state.encode` keeps it, or :class:`CheckpointError`."""
     extra = extra_state.extra_state_modules(module)
-    return {k: extra_state.encode(k, v, extra[k]) if k in extra else _view(v, grid)
-            for k, v in module.state_dict(keep_vars=True).items()}
+    return {
+        k: extra_state.encode(k, v, extra[k]) if k in extra else _view(v, grid)
+        for k, v in module.state_dict(keep_vars=True).items()
+    }
 
 
 def global_shapes(module: nn.Module) -> dict[str, list[int]]:
     """Every state-dict key's global shape (a 3-D tensor's from its spec)."""
-    return {k: list(get_spec(v).global_shape if get_spec(v) is not None else v.shape)
-            for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+    return {
+        k: list(get_spec(v).global_shape if get_spec(v) is not None else v.shape)
+        for k, v in module.state_dict(keep_vars=True).items()
+        if isinstance(v, torch.Tensor)
+    }
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:
@@ -75,8 +92,10 @@ def _state_view(value, param: torch.Tensor, grid: Grid, what: str):
     if not isinstance(value, torch.Tensor) or spec is None or value.dim() == 0:
         return value
     if value.shape != param.shape:
-        raise ValueError(f"{what}: shape {list(value.shape)} is neither a scalar nor the parameter's shard shape "
-                         f"{list(param.shape)}, so it cannot be resharded; use an optimizer with elementwise state (SGD, Adam, AdamW)")
+        raise ValueError(
+            f"{what}: shape {list(value.shape)} is neither a scalar nor the parameter's shard shape "
+            f"{list(param.shape)}, so it cannot be resharded; use an optimizer with elementwise state (SGD, Adam, AdamW)"
+        )
     return sharded_view(value, spec, grid)
 
 
@@ -91,6 +110,12 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str], gri
         for p in group["params"]:
             if p in optimizer.state:
                 name = names[id(p)]
-                state[name] = {k: _state_view(v, p, grid, f"optimizer state {k!r} of {name}") for k, v in optimizer.state[p].items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+                state[name] = {
+                    k: _state_view(v, p, grid, f"optimizer state {k!r} of {name}")
+                    for k, v in optimizer.state[p].items()
+                }
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
     return {"state": state, "param_groups": groups}

@@ -5,7 +5,17 @@ their measurement (:mod:`.machine`), the formulas for step time, memory and byte
 (:mod:`.formulas`), and the search over grids (:mod:`.search`).
 """
 
-from .formulas import BYTES, FP32, ModelShape, Prediction, grid_error, node_axes, predict_3d, predict_job, sent_bytes
+from .formulas import (
+    BYTES,
+    FP32,
+    ModelShape,
+    Prediction,
+    grid_error,
+    node_axes,
+    predict_3d,
+    predict_job,
+    sent_bytes,
+)
 from .machine import CPU, DEFAULT_MACHINE, GPU, OPS, Link, Machine, Sizes, measure_machine
 from .search import best_grid, candidates, cube_grids, fits
 

@@ -40,6 +40,7 @@ from .machine import DEFAULT_MACHINE, Machine
 
 BYTES = 2  # bf16 activations, weights and gradients
 
+
 @dataclass(frozen=True)
 class ModelShape:
     """A stack of ``layers`` GPT blocks (fused q/k/v, then an MLP of ``ffn`` hidden units) on
@@ -62,8 +63,17 @@ class ModelShape:
     @classmethod
     def of(cls, config: GPTConfig, batch: int, seq: int) -> ModelShape:
         """The shape of ``config``'s model (vocabulary included) trained on ``batch`` sequences of ``seq`` tokens a step."""
-        return cls(config.n_embd, config.n_head, seq, batch, config.n_layer, config.ffn_hidden,
-                   kv_heads=config.n_kv_head, gated=config.style == "llama", vocab=config.vocab_size)
+        return cls(
+            config.n_embd,
+            config.n_head,
+            seq,
+            batch,
+            config.n_layer,
+            config.ffn_hidden,
+            kv_heads=config.n_kv_head,
+            gated=config.style == "llama",
+            vocab=config.vocab_size,
+        )
 
     @property
     def ffn_hidden(self) -> int:
@@ -134,9 +144,19 @@ def grid_error(shape: ModelShape, grid: tuple[int, int, int], dp: int) -> str | 
         return f"batch {shape.batch} % dp {dp}"
     b = shape.batch // dp
     grouped = shape.kv_heads not in (None, shape.heads)
-    heads = [(shape.kv_heads, py, "kv_heads % py"), (shape.kv_width, px * py, "kv width % px·py")] if grouped else [(shape.heads, py, "heads % py")]
-    checks = heads + [(h, px * py, "hidden % px·py"), (h, px * pz, "hidden % px·pz"),
-                      (f, px * py, "ffn % px·py"), (f, py, "ffn % py"), (b, px * py, "batch/dp % px·py"), (b, px * pz, "batch/dp % px·pz")]
+    heads = (
+        [(shape.kv_heads, py, "kv_heads % py"), (shape.kv_width, px * py, "kv width % px·py")]
+        if grouped
+        else [(shape.heads, py, "heads % py")]
+    )
+    checks = heads + [
+        (h, px * py, "hidden % px·py"),
+        (h, px * pz, "hidden % px·pz"),
+        (f, px * py, "ffn % px·py"),
+        (f, py, "ffn % py"),
+        (b, px * py, "batch/dp % px·py"),
+        (b, px * pz, "batch/dp % px·pz"),
+    ]
     for value, parts, what in checks:
         if value % parts:
             return what
@@ -173,11 +193,14 @@ class _Collectives:
         g = self.sizes[axis]
         if g == 1:
             return 0.0
-        return self.machine.link(op, g, axis in self.across).seconds(_moved(op, g, full_elements * element_bytes))
+        return self.machine.link(op, g, axis in self.across).seconds(
+            _moved(op, g, full_elements * element_bytes)
+        )
 
 
-def _product_collectives(sizes: dict[str, int], tokens: float, r: str, fa: str, n: int, k: int,
-                         save_gathered: bool) -> dict[str, tuple[str, str, float]]:
+def _product_collectives(
+    sizes: dict[str, int], tokens: float, r: str, fa: str, n: int, k: int, save_gathered: bool
+) -> dict[str, tuple[str, str, float]]:
     """The collectives of one 3-D product ``[tokens, n] @ [n, k]`` whose input is split over ``r`` and
     features over ``fa``, forward and backward: name → (op, axis, elements of the full tensor).
     ``ag_a``, ``ag_w``, ``rs_c`` forward; ``ag_dc``, ``rs_da``, ``rs_dw`` backward; without
@@ -185,15 +208,30 @@ def _product_collectives(sizes: dict[str, int], tokens: float, r: str, fa: str, 
     a_full = tokens / sizes["x"] * n / sizes[fa]  # A gathered over r
     w_full = k / sizes[r] * n / sizes[fa]  # W gathered over x
     c_full = tokens / sizes["x"] * k / sizes[r]  # C before the reduce-scatter over f
-    out = {"ag_a": ("all_gather", r, a_full), "ag_w": ("all_gather", "x", w_full), "rs_c": ("reduce_scatter", fa, c_full),
-           "ag_dc": ("all_gather", fa, c_full), "rs_da": ("reduce_scatter", r, a_full), "rs_dw": ("reduce_scatter", "x", w_full)}
+    out = {
+        "ag_a": ("all_gather", r, a_full),
+        "ag_w": ("all_gather", "x", w_full),
+        "rs_c": ("reduce_scatter", fa, c_full),
+        "ag_dc": ("all_gather", fa, c_full),
+        "rs_da": ("reduce_scatter", r, a_full),
+        "rs_dw": ("reduce_scatter", "x", w_full),
+    }
     if not save_gathered:
         out.update(reag_a=out["ag_a"], reag_w=out["ag_w"])
     return out
 
 
-def _product(c: _Collectives, tokens: float, r: str, fa: str, n: int, k: int, rate: float, save_gathered: bool,
-             async_tp: bool) -> tuple[float, float, float, float, float]:
+def _product(
+    c: _Collectives,
+    tokens: float,
+    r: str,
+    fa: str,
+    n: int,
+    k: int,
+    rate: float,
+    save_gathered: bool,
+    async_tp: bool,
+) -> tuple[float, float, float, float, float]:
     """One 3-D product ``[tokens, n] @ [n, k]`` whose input is split over ``r`` and features over ``fa``:
     seconds of its forward GEMM, of the communication forward and backward expose, of all its
     communication, and of its weight gradient's reduce-scatter over x."""
@@ -209,7 +247,9 @@ def _product(c: _Collectives, tokens: float, r: str, fa: str, n: int, k: int, ra
 
     collectives = _product_collectives(sizes, tokens, r, fa, n, k, save_gathered)
     t = {name: c.seconds(op, axis, elements) for name, (op, axis, elements) in collectives.items()}
-    ag_a, ag_w, rs_c, ag_dc, rs_da, rs_dw = (t[name] for name in ("ag_a", "ag_w", "rs_c", "ag_dc", "rs_da", "rs_dw"))
+    ag_a, ag_w, rs_c, ag_dc, rs_da, rs_dw = (
+        t[name] for name in ("ag_a", "ag_w", "rs_c", "ag_dc", "rs_da", "rs_dw")
+    )
     t_mm = 2 * collectives["ag_a"][2] * k / sizes[r] / rate
     # backward re-gathers A where it did not keep it; W's re-gather is prefetched behind the previous product's backward
     regather = 0.0 if save_gathered else max(ag_a, max(0.0, ag_w - 2 * t_mm))
@@ -220,7 +260,11 @@ def _product(c: _Collectives, tokens: float, r: str, fa: str, n: int, k: int, ra
     if async_tp and sizes[fa] > 1:  # dC's gather fused into dA's product; dA's scatter hides behind dW's
         bwd = max(exposed(ag_dc, fa, t_mm), regather) + max(0.0, rs_da - t_mm) + rs_dw
     elif async_tp and sizes[r] > 1:  # dA's scatter fused; dW's hides behind it when dW runs first
-        bwd = max(ag_dc, regather) + exposed(rs_da, r, t_mm) + (max(0.0, rs_dw - t_mm) if rs_dw >= rs_da else rs_dw)
+        bwd = (
+            max(ag_dc, regather)
+            + exposed(rs_da, r, t_mm)
+            + (max(0.0, rs_dw - t_mm) if rs_dw >= rs_da else rs_dw)
+        )
     else:  # the larger scatter hides behind the other product, the smaller is exposed
         larger, smaller = max(rs_da, rs_dw), min(rs_da, rs_dw)
         bwd = max(ag_dc, regather) + max(0.0, larger - t_mm) + smaller
@@ -231,7 +275,12 @@ def _block_products(shape: ModelShape) -> list[tuple[str, str, int, int]]:
     """The four products of a block: (input's row axis r, feature axis f, in N, out K): q/k/v, the
     attention's output, the MLP's first (gate and up) and second."""
     h = shape.hidden
-    return [("y", "z", h, shape.qkv_out), ("z", "y", h, h), ("y", "z", h, shape.fc1_out), ("z", "y", shape.ffn_hidden, h)]
+    return [
+        ("y", "z", h, shape.qkv_out),
+        ("z", "y", h, h),
+        ("y", "z", h, shape.fc1_out),
+        ("z", "y", shape.ffn_hidden, h),
+    ]
 
 
 def _head_product(shape: ModelShape) -> tuple[str, str, int, int]:
@@ -239,8 +288,14 @@ def _head_product(shape: ModelShape) -> tuple[str, str, int, int]:
     return ("y", "z", shape.hidden, shape.vocab)
 
 
-def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machine: Machine = None,
-               save_gathered: bool = True, async_tp: bool = False) -> Prediction:
+def predict_3d(
+    shape: ModelShape,
+    grid: tuple[int, int, int],
+    dp: int = 1,
+    machine: Machine = None,
+    save_gathered: bool = True,
+    async_tp: bool = False,
+) -> Prediction:
     """Predicted step of ``shape``'s block stack on ``grid`` with ``dp`` replicas (weight prefetch on);
     with ``async_tp``, the activation gathers and scatters next to a product run as collective matmuls."""
     m = machine or DEFAULT_MACHINE
@@ -262,7 +317,9 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
         fwd_exposed += fwd_p
         bwd_exposed += bwd_p
         weight_scatters += L * rs_dw
-    fwd_exposed = fwd_exposed * L + c.seconds("all_gather", "x", products[0][3] / py * h / pz)  # first weight of the step
+    fwd_exposed = fwd_exposed * L + c.seconds(
+        "all_gather", "x", products[0][3] / py * h / pz
+    )  # first weight of the step
     bwd_exposed *= L
     # latency-bound all-reduces: the biases' gradients (replicated over x and the feature axis),
     # the norms' (over x and y), and with pz > 1 the norms' statistics (4 in forward, 2 in backward)
@@ -289,16 +346,41 @@ def predict_3d(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machi
     weights = L * shape.block_weights
     gathered = (lambda by: by) if save_gathered else (lambda by: 1)
     saved_w = weights / (py * pz) if save_gathered and px > 1 else 0.0  # gathered copies kept for backward
-    norm_saved = 2 + (5 if pz > 1 else 0)  # the distributed normalize keeps fp32 x̂, rstd and the affine inputs
-    act = m.activation_fraction * L * tokens * h / cube * (norm_saved + (shape.qkv_out + h) / h + shape.fc1_out / h  # norms, q/k/v and attention out, MLP input
-                                   + 2 * gathered(py)  # qkv and fc1 inputs (gathered over y)
-                                   + (1 + f / h) * gathered(pz))  # proj and fc2 inputs (gathered over z)
+    norm_saved = 2 + (
+        5 if pz > 1 else 0
+    )  # the distributed normalize keeps fp32 x̂, rstd and the affine inputs
+    act = (
+        m.activation_fraction
+        * L
+        * tokens
+        * h
+        / cube
+        * (
+            norm_saved
+            + (shape.qkv_out + h) / h
+            + shape.fc1_out / h  # norms, q/k/v and attention out, MLP input
+            + 2 * gathered(py)  # qkv and fc1 inputs (gathered over y)
+            + (1 + f / h) * gathered(pz)
+        )
+    )  # proj and fc2 inputs (gathered over z)
     transient = tokens * h / cube * 5  # the input block and the loss's fp32 copies
     memory = _peak(weights / cube, saved_w + act + transient, L)
-    return Prediction(grid, dp, fwd * 1e3, bwd * 1e3, (comm + dp_sync) * 1e3, (fwd_exposed + bwd_exposed + dp_sync) * 1e3,
-                      memory, {"dp_sync_ms": dp_sync * 1e3, "hidden_comm_ms": hidden * 1e3, "weight_scatter_ms": weight_scatters * 1e3,
-                               "backward_compute_ms": L * (2 * (sum(mm_fwd) + attn) + t_mem_bwd) * 1e3,
-                               "activations_GiB": (saved_w + act + transient) * BYTES / 2**30})
+    return Prediction(
+        grid,
+        dp,
+        fwd * 1e3,
+        bwd * 1e3,
+        (comm + dp_sync) * 1e3,
+        (fwd_exposed + bwd_exposed + dp_sync) * 1e3,
+        memory,
+        {
+            "dp_sync_ms": dp_sync * 1e3,
+            "hidden_comm_ms": hidden * 1e3,
+            "weight_scatter_ms": weight_scatters * 1e3,
+            "backward_compute_ms": L * (2 * (sum(mm_fwd) + attn) + t_mem_bwd) * 1e3,
+            "activations_GiB": (saved_w + act + transient) * BYTES / 2**30,
+        },
+    )
 
 
 def _peak(params: float, saved: float, layers: int) -> float:
@@ -320,9 +402,18 @@ def _dp_all_reduce(m: Machine, shape: ModelShape, model_parallel: int, dp: int, 
 FP32 = 4  # master weights, their gradients, Adam's moments, embedding outputs, loss arithmetic
 
 
-def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machine: Machine = None, *,
-                async_tp: bool = False, compiled: bool = False, save_gathered: bool = True, half_grads: bool = False,
-                grads_at_end: bool = False) -> Prediction:
+def predict_job(
+    shape: ModelShape,
+    grid: tuple[int, int, int],
+    dp: int = 1,
+    machine: Machine = None,
+    *,
+    async_tp: bool = False,
+    compiled: bool = False,
+    save_gathered: bool = True,
+    half_grads: bool = False,
+    grads_at_end: bool = False,
+) -> Prediction:
     """Predicted whole training step of ``shape`` (``vocab`` required) on ``grid`` with ``dp`` replicas,
     as ``Tensor3DStrategy`` trains it under bf16 mixed precision with fp32 master weights.
 
@@ -340,30 +431,60 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     copies autocast keeps, the activations, and the logits at the loss.
     """
     if shape.vocab is None:
-        raise ValueError(f"predict_job needs the vocabulary: ModelShape(..., vocab=V) (the tokens of the embedding and LM head); "
-                         f"{shape} prices the block stack only (predict_3d)")
+        raise ValueError(
+            f"predict_job needs the vocabulary: ModelShape(..., vocab=V) (the tokens of the embedding and LM head); "
+            f"{shape} prices the block stack only (predict_3d)"
+        )
     m = machine or DEFAULT_MACHINE
     px, py, pz = grid
     cube = px * py * pz
     h, V = shape.hidden, shape.vocab
-    passes = m.compiled_passes if compiled else (m.passes_fwd + m.eager_gated_passes[0] * shape.gated,
-                                                  m.passes_bwd + m.eager_gated_passes[1] * shape.gated)
+    passes = (
+        m.compiled_passes
+        if compiled
+        else (
+            m.passes_fwd + m.eager_gated_passes[0] * shape.gated,
+            m.passes_bwd + m.eager_gated_passes[1] * shape.gated,
+        )
+    )
     efficiency = m.compiled_job_gemm_efficiency if compiled else m.job_gemm_efficiency
     activations = m.compiled_activation_fraction if compiled else m.activation_fraction
-    blocks = predict_3d(shape, grid, dp, replace(m, gemm_efficiency=efficiency, passes_fwd=passes[0], passes_bwd=passes[1],
-                                                 activation_fraction=activations), save_gathered, async_tp)
+    blocks = predict_3d(
+        shape,
+        grid,
+        dp,
+        replace(
+            m,
+            gemm_efficiency=efficiency,
+            passes_fwd=passes[0],
+            passes_bwd=passes[1],
+            activation_fraction=activations,
+        ),
+        save_gathered,
+        async_tp,
+    )
     c = _Collectives(grid, dp, m)
     rate, hbm = m.matmul_tflops * 1e12 * efficiency, m.hbm_GBps * 1e9
     tokens = shape.batch * shape.seq / dp  # per replica
     latency = m.link("all_reduce", cube, any(a in c.across for a in "xyz")).latency_us * 1e-6
 
     emb_w, emb_out = V / py * h / pz, tokens / px * h / pz
-    embedding_fwd = c.seconds("all_gather", "x", emb_w, FP32) + c.seconds("reduce_scatter", "y", emb_out, FP32)
-    embedding_bwd_comm = c.seconds("all_gather", "y", emb_out, FP32) + c.seconds("reduce_scatter", "x", emb_w, FP32)
-    embedding_bwd = embedding_bwd_comm + 2 * emb_w * FP32 / hbm  # the zeroed gradient block, written and scattered into
-    t_head, head_fwd, head_bwd, head_comm, head_scatter = _product(c, tokens, *_head_product(shape), rate, save_gathered, async_tp)
+    embedding_fwd = c.seconds("all_gather", "x", emb_w, FP32) + c.seconds(
+        "reduce_scatter", "y", emb_out, FP32
+    )
+    embedding_bwd_comm = c.seconds("all_gather", "y", emb_out, FP32) + c.seconds(
+        "reduce_scatter", "x", emb_w, FP32
+    )
+    embedding_bwd = (
+        embedding_bwd_comm + 2 * emb_w * FP32 / hbm
+    )  # the zeroed gradient block, written and scattered into
+    t_head, head_fwd, head_bwd, head_comm, head_scatter = _product(
+        c, tokens, *_head_product(shape), rate, save_gathered, async_tp
+    )
     logits = tokens * V / cube
-    loss = logits * m.logit_bytes / hbm + (2 * (py > 1) + (px * pz > 1)) * latency  # row max and sums over y, the totals over x·z
+    loss = (
+        logits * m.logit_bytes / hbm + (2 * (py > 1) + (px * pz > 1)) * latency
+    )  # row max and sums over y, the totals over x·z
     final_norm = tokens * h / cube * BYTES * (m.passes_fwd + m.passes_bwd) / shape.layers / hbm
 
     params = shape.params / cube
@@ -376,29 +497,72 @@ def predict_job(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, mach
     dp_exposed = max(0.0, dp_sync - dp_hidden)
 
     fwd = blocks.fwd_ms * 1e-3 + embedding_fwd + t_head + head_fwd + final_norm / 2 + loss / 2
-    bwd = ((blocks.bwd_ms - blocks.detail["dp_sync_ms"]) * 1e-3 + embedding_bwd + 2 * t_head + head_bwd + final_norm / 2
-           + loss / 2 + dp_exposed + optimizer)
+    bwd = (
+        (blocks.bwd_ms - blocks.detail["dp_sync_ms"]) * 1e-3
+        + embedding_bwd
+        + 2 * t_head
+        + head_bwd
+        + final_norm / 2
+        + loss / 2
+        + dp_exposed
+        + optimizer
+    )
     late = 0.0
-    if grads_at_end:  # the weight gradients' reduce-scatters newly hide behind the blocks' backward compute, at most
+    if (
+        grads_at_end
+    ):  # the weight gradients' reduce-scatters newly hide behind the blocks' backward compute, at most
         scatters = blocks.detail["weight_scatter_ms"] * 1e-3 + head_scatter
         late = m.late_scatter_fraction * min(scatters, blocks.detail["backward_compute_ms"] * 1e-3)
     bwd -= late
     pipelined = async_tp and py * pz > 1  # collective matmuls need an activation axis
-    collectives = 8 * sum(p > 1 for p in grid)  # per layer: 4 products, each a gather and a scatter per split axis
-    host = shape.layers * (m.host_layer_ms[2 if compiled else 1 if pipelined else 0] + collectives * m.collective_host_us * 1e-3) * 1e-3
+    collectives = 8 * sum(
+        p > 1 for p in grid
+    )  # per layer: 4 products, each a gather and a scatter per split axis
+    host = (
+        shape.layers
+        * (
+            m.host_layer_ms[2 if compiled else 1 if pipelined else 0]
+            + collectives * m.collective_host_us * 1e-3
+        )
+        * 1e-3
+    )
     bwd += max(0.0, host - fwd - bwd)  # the GPU waits for the host
-    static = params * (3 * FP32 + (m.ddp_bytes if dp > 1 else 0)) + shape.layers * shape.block_weights / cube * BYTES
+    static = (
+        params * (3 * FP32 + (m.ddp_bytes if dp > 1 else 0))
+        + shape.layers * shape.block_weights / cube * BYTES
+    )
     memory = static / 2**30 + blocks.detail["activations_GiB"] + logits * m.logit_memory_bytes / 2**30
-    exposed = blocks.exposed_comm_ms - blocks.detail["dp_sync_ms"] + (embedding_fwd + embedding_bwd_comm + head_fwd + head_bwd + dp_exposed - late) * 1e3
-    detail = {"blocks_ms": blocks.step_ms - blocks.detail["dp_sync_ms"], "embedding_ms": (embedding_fwd + embedding_bwd) * 1e3,
-              "head_ms": (3 * t_head + head_fwd + head_bwd) * 1e3, "loss_ms": loss * 1e3, "optimizer_ms": optimizer * 1e3,
-              "dp_sync_ms": dp_sync * 1e3, "dp_exposed_ms": dp_exposed * 1e3}
-    comm = blocks.comm_ms - blocks.detail["dp_sync_ms"] + (embedding_fwd + embedding_bwd_comm + head_comm + dp_sync) * 1e3
+    exposed = (
+        blocks.exposed_comm_ms
+        - blocks.detail["dp_sync_ms"]
+        + (embedding_fwd + embedding_bwd_comm + head_fwd + head_bwd + dp_exposed - late) * 1e3
+    )
+    detail = {
+        "blocks_ms": blocks.step_ms - blocks.detail["dp_sync_ms"],
+        "embedding_ms": (embedding_fwd + embedding_bwd) * 1e3,
+        "head_ms": (3 * t_head + head_fwd + head_bwd) * 1e3,
+        "loss_ms": loss * 1e3,
+        "optimizer_ms": optimizer * 1e3,
+        "dp_sync_ms": dp_sync * 1e3,
+        "dp_exposed_ms": dp_exposed * 1e3,
+    }
+    comm = (
+        blocks.comm_ms
+        - blocks.detail["dp_sync_ms"]
+        + (embedding_fwd + embedding_bwd_comm + head_comm + dp_sync) * 1e3
+    )
     return Prediction(grid, dp, fwd * 1e3, bwd * 1e3, comm, exposed, memory, detail)
 
 
-def sent_bytes(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, *, save_gathered: bool = True,
-               element_bytes: int = BYTES, grad_bytes: int = FP32) -> dict[str, float]:
+def sent_bytes(
+    shape: ModelShape,
+    grid: tuple[int, int, int],
+    dp: int = 1,
+    *,
+    save_gathered: bool = True,
+    element_bytes: int = BYTES,
+    grad_bytes: int = FP32,
+) -> dict[str, float]:
     """Bytes each rank sends in one training step of ``shape`` (``vocab`` required) on ``grid`` with
     ``dp`` replicas, by collective (``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``), as
     :func:`predict_job` prices them: every block's four products and the LM head (operands of
@@ -410,7 +574,9 @@ def sent_bytes(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, *, sa
     and the dp reduction of those vectors, the loss's sums, the gradient norm), under ``1/h`` of
     the activations' traffic."""
     if shape.vocab is None:
-        raise ValueError(f"sent_bytes needs the vocabulary: ModelShape(..., vocab=V); {shape} is a block stack")
+        raise ValueError(
+            f"sent_bytes needs the vocabulary: ModelShape(..., vocab=V); {shape} is a block stack"
+        )
     px, py, pz = grid
     sizes = {"x": px, "y": py, "z": pz, "dp": dp}
     tokens = shape.batch * shape.seq / dp
@@ -428,7 +594,9 @@ def sent_bytes(shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, *, sa
     emb_w, emb_out = V / py * h / pz, tokens / px * h / pz
     add("all_gather", "x", emb_w, FP32)  # forward: the weight over x, the output scattered over y
     add("reduce_scatter", "y", emb_out, FP32)
-    add("all_gather", "y", emb_out, FP32)  # backward: the output's gradient over y, the weight's scattered over x
+    add(
+        "all_gather", "y", emb_out, FP32
+    )  # backward: the output's gradient over y, the weight's scattered over x
     add("reduce_scatter", "x", emb_w, FP32)
     add("all_reduce", "dp", shape.params / (px * py * pz), grad_bytes)
     return out

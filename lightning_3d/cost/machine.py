@@ -127,21 +127,37 @@ class Machine:
 
     def rates(self) -> dict:
         """The measured part as JSON (no calibration): rates, links by op and group size, node size, memory."""
+
         def as_dict(link: Link) -> dict:
             return {"busbw_GBps": link.busbw_GBps, "latency_us": link.latency_us}
 
-        return {"matmul_tflops": self.matmul_tflops, "hbm_GBps": self.hbm_GBps, "gpus_per_node": self.gpus_per_node,
-                "memory_GiB": self.memory_GiB, "intra": {op: {str(g): as_dict(link) for g, link in sorted(t.items())} for op, t in self.intra.items()},
-                "inter": {op: as_dict(link) for op, link in self.inter.items()}}
+        return {
+            "matmul_tflops": self.matmul_tflops,
+            "hbm_GBps": self.hbm_GBps,
+            "gpus_per_node": self.gpus_per_node,
+            "memory_GiB": self.memory_GiB,
+            "intra": {
+                op: {str(g): as_dict(link) for g, link in sorted(t.items())} for op, t in self.intra.items()
+            },
+            "inter": {op: as_dict(link) for op, link in self.inter.items()},
+        }
 
     @classmethod
     def from_rates(cls, rates: dict) -> Machine:
         """The inverse of :meth:`rates`, with :data:`DEFAULT_MACHINE`'s calibration (and its links for an
         op measured in no group, as on one GPU)."""
-        return replace(DEFAULT_MACHINE, matmul_tflops=rates["matmul_tflops"], hbm_GBps=rates["hbm_GBps"],
-                       gpus_per_node=rates["gpus_per_node"], memory_GiB=rates["memory_GiB"],
-                       intra={op: {int(g): Link(**v) for g, v in t.items()} or DEFAULT_MACHINE.intra[op] for op, t in rates["intra"].items()},
-                       inter={op: Link(**v) for op, v in rates["inter"].items()})
+        return replace(
+            DEFAULT_MACHINE,
+            matmul_tflops=rates["matmul_tflops"],
+            hbm_GBps=rates["hbm_GBps"],
+            gpus_per_node=rates["gpus_per_node"],
+            memory_GiB=rates["memory_GiB"],
+            intra={
+                op: {int(g): Link(**v) for g, v in t.items()} or DEFAULT_MACHINE.intra[op]
+                for op, t in rates["intra"].items()
+            },
+            inter={op: Link(**v) for op, v in rates["inter"].items()},
+        )
 
 
 # 4× H200 SXM, measured (latency: bursts of small collectives); 8 ranks: the bus bandwidth of a 1 GiB all-reduce on an 8×H100 NVLink host
@@ -219,8 +235,9 @@ def copy_gbps(device: torch.device, nbytes: int, iters: int = 20) -> float:
     return 2 * nbytes / median_ms(lambda: y.copy_(x), device, 3, iters) / 1e6
 
 
-def collective_rates(device: torch.device, group, size: int, large: tuple[int, int], iters: int, small: int,
-                     burst: int = 20) -> dict:
+def collective_rates(
+    device: torch.device, group, size: int, large: tuple[int, int], iters: int, small: int, burst: int = 20
+) -> dict:
     """Latency (µs) and bus bandwidth (GB/s) of all-gather, reduce-scatter and all-reduce in ``group``
     (``size`` ranks; every rank calls with its own group, all groups at once). Bandwidth: the slope
     ``moved / t`` between the two ``large`` message sizes (bytes of the full, gathered tensor);
@@ -231,12 +248,16 @@ def collective_rates(device: torch.device, group, size: int, large: tuple[int, i
     g = size
     out = {}
     for op in OPS:
+
         def timed(nbytes: int, repeat: int) -> tuple[float, float]:
             full = torch.randn(max(nbytes // dtype.itemsize // g, 1) * g, dtype=dtype, device=device)
             part = full[: full.numel() // g].clone()
             moved = full.numel() * dtype.itemsize * (g - 1) / g * (2 if op == "all_reduce" else 1)
-            fn = {"all_gather": lambda: comm.all_gather_dim0(part, group), "reduce_scatter": lambda: comm.reduce_scatter_dim0(full, group),
-                  "all_reduce": lambda: comm.all_reduce(full, group)}[op]
+            fn = {
+                "all_gather": lambda: comm.all_gather_dim0(part, group),
+                "reduce_scatter": lambda: comm.reduce_scatter_dim0(full, group),
+                "all_reduce": lambda: comm.all_reduce(full, group),
+            }[op]
 
             def run() -> None:
                 for _ in range(repeat):
@@ -247,8 +268,12 @@ def collective_rates(device: torch.device, group, size: int, large: tuple[int, i
         (m0, t0), (m1, t1) = (timed(n, 1) for n in large)
         beta = (m1 - m0) / max(t1 - t0, 1e-9)
         _, t_small = timed(small, burst)
-        out[op] = {"latency_us": t_small * 1e6, "busbw_GBps": beta / 1e9, "intercept_us": max(t0 - m0 / beta, 0.0) * 1e6,
-                   "points": [{"moved_bytes": m, "ms": t * 1e3} for m, t in ((m0, t0), (m1, t1))]}
+        out[op] = {
+            "latency_us": t_small * 1e6,
+            "busbw_GBps": beta / 1e9,
+            "intercept_us": max(t0 - m0 / beta, 0.0) * 1e6,
+            "points": [{"moved_bytes": m, "ms": t * 1e3} for m, t in ((m0, t0), (m1, t1))],
+        }
     return out
 
 
@@ -265,7 +290,9 @@ def _rates_then_destroy(device: torch.device, group, size: int, sizes: Sizes) ->
         dist.destroy_process_group(group)
 
 
-def measure_machine(device: torch.device | None = None, gpus_per_node: int | None = None, sizes: Sizes | None = None) -> Machine:
+def measure_machine(
+    device: torch.device | None = None, gpus_per_node: int | None = None, sizes: Sizes | None = None
+) -> Machine:
     """The :class:`Machine` of this world, measured; call on every rank.
 
     Args:
@@ -280,13 +307,19 @@ def measure_machine(device: torch.device | None = None, gpus_per_node: int | Non
     rank) keeps its links.
     """
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     cuda = device.type == "cuda"
     sizes = sizes or (GPU if cuda else CPU)
     world = dist.get_world_size()
     per_node = gpus_per_node or (min(torch.cuda.device_count(), world) if cuda else world)
     if world % per_node:
-        raise ValueError(f"gpus_per_node={per_node} does not divide the world of {world} ranks; pass the ranks each node runs")
+        raise ValueError(
+            f"gpus_per_node={per_node} does not divide the world of {world} ranks; pass the ranks each node runs"
+        )
     matmul = matmul_tflops(device, torch.bfloat16 if cuda else torch.float32, sizes.matmul_n, sizes.iters)
     copy = copy_gbps(device, sizes.copy_bytes, sizes.iters)
     matmul, copy = (-v for v in slowest([-matmul, -copy], device))
@@ -298,8 +331,19 @@ def measure_machine(device: torch.device | None = None, gpus_per_node: int | Non
     inter = dict(DEFAULT_MACHINE.inter)
     nodes = world // per_node
     if nodes > 1:
-        group, _ = dist.new_subgroups_by_enumeration([[i + n * per_node for n in range(nodes)] for i in range(per_node)])
+        group, _ = dist.new_subgroups_by_enumeration(
+            [[i + n * per_node for n in range(nodes)] for i in range(per_node)]
+        )
         inter = _links(_rates_then_destroy(device, group, nodes, sizes))
-    memory = torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else DEFAULT_MACHINE.memory_GiB
-    return replace(DEFAULT_MACHINE, matmul_tflops=matmul, hbm_GBps=copy, gpus_per_node=per_node, memory_GiB=memory,
-                   intra={op: table or DEFAULT_MACHINE.intra[op] for op, table in intra.items()}, inter=inter)
+    memory = (
+        torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else DEFAULT_MACHINE.memory_GiB
+    )
+    return replace(
+        DEFAULT_MACHINE,
+        matmul_tflops=matmul,
+        hbm_GBps=copy,
+        gpus_per_node=per_node,
+        memory_GiB=memory,
+        intra={op: table or DEFAULT_MACHINE.intra[op] for op, table in intra.items()},
+        inter=inter,
+    )

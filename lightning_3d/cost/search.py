@@ -9,12 +9,25 @@ from .machine import DEFAULT_MACHINE, Machine
 
 def cube_grids(n: int) -> list[tuple[int, int, int]]:
     """Every ``(px, py, pz)`` with ``px·py·pz == n``."""
-    return [(px, py, n // (px * py)) for px in range(1, n + 1) if n % px == 0
-            for py in range(1, n // px + 1) if (n // px) % py == 0]
+    return [
+        (px, py, n // (px * py))
+        for px in range(1, n + 1)
+        if n % px == 0
+        for py in range(1, n // px + 1)
+        if (n // px) % py == 0
+    ]
 
 
-def candidates(shape: ModelShape, world: int, machine: Machine = None, *, async_tp: bool = False, compiled: bool = False,
-               half_grads: bool = False, grads_at_end: bool = False) -> list[Prediction]:
+def candidates(
+    shape: ModelShape,
+    world: int,
+    machine: Machine = None,
+    *,
+    async_tp: bool = False,
+    compiled: bool = False,
+    half_grads: bool = False,
+    grads_at_end: bool = False,
+) -> list[Prediction]:
     """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest; with
     ``async_tp`` as collective matmuls, on cubes inside one node only), sorted by predicted step
     time. With ``shape.vocab`` the grids are priced as whole training steps (:func:`~lightning_3d.cost.formulas.predict_job`,
@@ -31,8 +44,18 @@ def candidates(shape: ModelShape, world: int, machine: Machine = None, *, async_
                 if shape.vocab is None:
                     out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp))
                 else:
-                    out.append(predict_job(shape, grid, world // cube, m, async_tp=async_tp, compiled=compiled,
-                                           half_grads=half_grads, grads_at_end=grads_at_end))
+                    out.append(
+                        predict_job(
+                            shape,
+                            grid,
+                            world // cube,
+                            m,
+                            async_tp=async_tp,
+                            compiled=compiled,
+                            half_grads=half_grads,
+                            grads_at_end=grads_at_end,
+                        )
+                    )
     return sorted(out, key=lambda p: p.step_ms)
 
 
@@ -40,10 +63,23 @@ def fits(p: Prediction, machine: Machine = None) -> bool:
     return p.memory_GiB <= (machine or DEFAULT_MACHINE).memory_GiB
 
 
-def best_grid(hidden: int, heads: int, seq: int, batch: int, layers: int, world: int,
-              machine: Machine = None, ffn: int | None = None, async_tp: bool = False,
-              kv_heads: int | None = None, gated: bool = False, vocab: int | None = None,
-              compiled: bool = False, half_grads: bool = False, grads_at_end: bool = False) -> tuple[int, int, int]:
+def best_grid(
+    hidden: int,
+    heads: int,
+    seq: int,
+    batch: int,
+    layers: int,
+    world: int,
+    machine: Machine = None,
+    ffn: int | None = None,
+    async_tp: bool = False,
+    kv_heads: int | None = None,
+    gated: bool = False,
+    vocab: int | None = None,
+    compiled: bool = False,
+    half_grads: bool = False,
+    grads_at_end: bool = False,
+) -> tuple[int, int, int]:
     """The ``(px, py, pz)`` with the lowest predicted step time that fits in memory (dp = world /
     px·py·pz); the model is the global-batch GPT stack of ``hidden``, ``heads``, ``seq``, ``batch``
     and ``layers`` (``ffn``, ``kv_heads``, ``gated`` and ``vocab`` as :class:`ModelShape`: with
@@ -57,14 +93,25 @@ def best_grid(hidden: int, heads: int, seq: int, batch: int, layers: int, world:
     """
     m = machine or DEFAULT_MACHINE
     shape = ModelShape(hidden, heads, seq, batch, layers, ffn, kv_heads, gated, vocab)
-    options = candidates(shape, world, m, async_tp=async_tp, compiled=compiled, half_grads=half_grads,
-                         grads_at_end=grads_at_end)
+    options = candidates(
+        shape,
+        world,
+        m,
+        async_tp=async_tp,
+        compiled=compiled,
+        half_grads=half_grads,
+        grads_at_end=grads_at_end,
+    )
     if not options:
-        raise ValueError(f"no px·py·pz grid with dp filling {world} ranks divides hidden={hidden}, heads={heads}, batch={batch}; "
-                         f"use a batch that is a multiple of {world} and heads/hidden divisible by the grid")
+        raise ValueError(
+            f"no px·py·pz grid with dp filling {world} ranks divides hidden={hidden}, heads={heads}, batch={batch}; "
+            f"use a batch that is a multiple of {world} and heads/hidden divisible by the grid"
+        )
     fitting = [p for p in options if fits(p, m)]
     if not fitting:
         least = min(options, key=lambda p: p.memory_GiB)
-        raise ValueError(f"no grid fits {m.memory_GiB:.0f} GiB per GPU: the least, {least.label}, needs {least.memory_GiB:.1f} GiB; "
-                         f"use more GPUs, a smaller batch or activation checkpointing")
+        raise ValueError(
+            f"no grid fits {m.memory_GiB:.0f} GiB per GPU: the least, {least.label}, needs {least.memory_GiB:.1f} GiB; "
+            f"use more GPUs, a smaller batch or activation checkpointing"
+        )
     return fitting[0].grid

@@ -20,20 +20,33 @@ _EMBEDS = "inputs_embeds" if "inputs_embeds" in _PARAMETERS else "input_embeds"
 _CACHE = "cache" if "cache" in _PARAMETERS else "past_key_values"
 
 
-def _every_pair(batch_idx: torch.Tensor, head_idx: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+def _every_pair(
+    batch_idx: torch.Tensor, head_idx: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+) -> torch.Tensor:
     """A mask function that keeps every (query, key) pair: and-ed to the causal mask, it changes nothing."""
     return q_idx.new_ones((), dtype=torch.bool)
 
 
-def causal_mask(model: nn.Module, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor | None, *, may_skip: bool) -> torch.Tensor | None:
+def causal_mask(
+    model: nn.Module,
+    embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    *,
+    may_skip: bool,
+) -> torch.Tensor | None:
     """The mask ``model`` builds for a batch of ``embeds`` ``[b, s, ·]`` with a 2-D padding mask and position ids.
 
     ``may_skip``: whether a plain causal mask may come back as None (the attention then runs causal
     on its own); otherwise the mask is always built (any mask function makes transformers build it).
     """
-    kwargs = {"config": model.config, _EMBEDS: embeds, "attention_mask": attention_mask, _CACHE: None,
-              "position_ids": position_ids}
+    kwargs = {
+        "config": model.config,
+        _EMBEDS: embeds,
+        "attention_mask": attention_mask,
+        _CACHE: None,
+        "position_ids": position_ids,
+    }
     if "cache_position" in _PARAMETERS:
         kwargs["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
     if not may_skip:

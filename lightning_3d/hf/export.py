@@ -30,17 +30,26 @@ def _tied_copies(model: nn.Module) -> set[str]:
 def _check_shapes(model: nn.Module, state_dict: dict[str, torch.Tensor], source: object) -> None:
     """Refuse tensors whose shapes are not ``model``'s own, naming the first few."""
     own = model.state_dict()
-    differ = [f"{k} {list(t.shape)} (the model's: {list(own[k].shape)})" for k, t in state_dict.items()
-              if k in own and t.shape != own[k].shape]
+    differ = [
+        f"{k} {list(t.shape)} (the model's: {list(own[k].shape)})"
+        for k, t in state_dict.items()
+        if k in own and t.shape != own[k].shape
+    ]
     if differ:
-        raise ValueError(f"{source} holds tensors of other shapes than {type(model).__name__}'s: {', '.join(differ[:4])}"
-                         f"{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}; a checkpoint written before "
-                         "layouts were recorded (no 'dense_transposed' in its layout.json) holds Conv1D weights "
-                         "[out, in]: load it onto a grid and save_pretrained from there")
+        raise ValueError(
+            f"{source} holds tensors of other shapes than {type(model).__name__}'s: {', '.join(differ[:4])}"
+            f"{f' and {len(differ) - 4} more' if len(differ) > 4 else ''}; a checkpoint written before "
+            "layouts were recorded (no 'dense_transposed' in its layout.json) holds Conv1D weights "
+            "[out, in]: load it onto a grid and save_pretrained from there"
+        )
 
 
-def write_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor], path: str | os.PathLike,
-                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+def write_pretrained(
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    path: str | os.PathLike,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> None:
     """Write ``model``'s config (and generation config), and ``state_dict`` as safetensors shards, to ``path``.
 
     ``state_dict``: full tensors under the Hugging Face model's own keys. No communication.
@@ -62,7 +71,9 @@ def write_pretrained(model: nn.Module, state_dict: dict[str, torch.Tensor], path
     save_torch_state_dict(state_dict, path, max_shard_size=max_shard_size, metadata={"format": "pt"})
 
 
-def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+def save_pretrained(
+    model: nn.Module, path: str | os.PathLike, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
+) -> None:
     """Save a parallelized ``transformers`` model as a folder that ``AutoModelForCausalLM.from_pretrained`` loads.
 
     Collective: call it on every rank. Each cube assembles the full tensors as the original model
@@ -79,8 +90,13 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, *, max_shard_size
         dist.barrier()
 
 
-def checkpoint_to_pretrained(checkpoint: str | os.PathLike, path: str | os.PathLike, *, prefix: str | None = None,
-                             max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+def checkpoint_to_pretrained(
+    checkpoint: str | os.PathLike,
+    path: str | os.PathLike,
+    *,
+    prefix: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> None:
     """A sharded checkpoint of a parallelized ``transformers`` model, saved on any grid, as a ``from_pretrained`` folder.
 
     One process, no process group. The checkpoint's dense tensors
@@ -98,15 +114,23 @@ def checkpoint_to_pretrained(checkpoint: str | os.PathLike, path: str | os.PathL
     info = dense_info(checkpoint, prefix)
     config_class = getattr(transformers, info.get("config_class") or "", None)
     model_class = getattr(transformers, info.get("model") or "", None)
-    if not (isinstance(config_class, type) and issubclass(config_class, transformers.PreTrainedConfig)
-            and isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)
-            and info.get("config") is not None):
-        raise ValueError(f"{checkpoint} records no transformers model and config under prefix {info['prefix']!r} "
-                         f"(it holds {info.get('model') or 'an unknown model'}); pass the prefix of the parallelized "
-                         "transformers model")
+    if not (
+        isinstance(config_class, type)
+        and issubclass(config_class, transformers.PreTrainedConfig)
+        and isinstance(model_class, type)
+        and issubclass(model_class, transformers.PreTrainedModel)
+        and info.get("config") is not None
+    ):
+        raise ValueError(
+            f"{checkpoint} records no transformers model and config under prefix {info['prefix']!r} "
+            f"(it holds {info.get('model') or 'an unknown model'}); pass the prefix of the parallelized "
+            "transformers model"
+        )
     # a dtype recorded as the text of a torch.dtype ("torch.bfloat16") reads as transformers writes it ("bfloat16")
-    config = {k: v.removeprefix("torch.") if k in ("dtype", "torch_dtype") and isinstance(v, str) else v
-              for k, v in info["config"].items()}
+    config = {
+        k: v.removeprefix("torch.") if k in ("dtype", "torch_dtype") and isinstance(v, str) else v
+        for k, v in info["config"].items()
+    }
     with torch.device("meta"):
         model = model_class(config_class.from_dict(config))
     state_dict = to_dense(checkpoint, prefix)

@@ -53,18 +53,28 @@ def _check_batch(input_ids: torch.Tensor, grid: Grid) -> None:
     px, py, pz = grid.shape
     multiple = math.lcm(px * py, px * pz)
     if input_ids.dim() != 2 or input_ids.shape[0] % multiple:
-        raise ValueError(f"input_ids {list(input_ids.shape)}: the parallelized model takes the full batch [b, s] on every "
-                         f"cube rank, with b a multiple of lcm(px·py, px·pz) = {multiple} on grid {grid.shape}")
+        raise ValueError(
+            f"input_ids {list(input_ids.shape)}: the parallelized model takes the full batch [b, s] on every "
+            f"cube rank, with b a multiple of lcm(px·py, px·pz) = {multiple} on grid {grid.shape}"
+        )
 
 
 def _check_same_batch(name: str, t: torch.Tensor | None, input_ids: torch.Tensor, dims: int) -> None:
     if t is not None and (t.shape[0] != input_ids.shape[0] or t.dim() < dims):
-        raise ValueError(f"{name} {list(t.shape)}: expected the full batch of input_ids {list(input_ids.shape)} "
-                         f"(the same tensor on every cube rank)")
+        raise ValueError(
+            f"{name} {list(t.shape)}: expected the full batch of input_ids {list(input_ids.shape)} "
+            f"(the same tensor on every cube rank)"
+        )
 
 
-def attention_rows_mask(model: nn.Module, grid: Grid, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                        position_ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+def attention_rows_mask(
+    model: nn.Module,
+    grid: Grid,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
     """The attention mask of this rank's y-layout rows, as the model would build it for them (None: plain causal)."""
     from .causal_mask import causal_mask
 
@@ -83,7 +93,9 @@ def attention_rows_mask(model: nn.Module, grid: Grid, input_ids: torch.Tensor, a
     )
 
 
-def lay_out_inputs(model: nn.Module, grid: Grid, args: tuple, kwargs: dict, *, position_rows: str) -> tuple[tuple, dict]:
+def lay_out_inputs(
+    model: nn.Module, grid: Grid, args: tuple, kwargs: dict, *, position_rows: str
+) -> tuple[tuple, dict]:
     """A plan's ``before_forward``: check the call, lay its mask and position ids out for this rank.
 
     ``position_rows``: the rows the model's position ids are used on, ``"xz"`` (y-layout: RoPE in
@@ -93,13 +105,19 @@ def lay_out_inputs(model: nn.Module, grid: Grid, args: tuple, kwargs: dict, *, p
     call = dict(bound.arguments)
     call.update(call.pop("kwargs", {}))
     if call.get("inputs_embeds") is not None or call.get("input_ids") is None:
-        raise ValueError("the parallelized model takes input_ids (the full batch on every cube rank), not inputs_embeds")
+        raise ValueError(
+            "the parallelized model takes input_ids (the full batch on every cube rank), not inputs_embeds"
+        )
     if any(call.get(name) is not None for name in CACHE_ARGS) or call.get("use_cache"):
-        raise ValueError("the parallelized model keeps no KV cache: call it without cache/past_key_values and with "
-                         "use_cache=False (or unset)")
+        raise ValueError(
+            "the parallelized model keeps no KV cache: call it without cache/past_key_values and with "
+            "use_cache=False (or unset)"
+        )
     call["use_cache"] = False
     input_ids = call["input_ids"]
-    agree_on_first_call(model, grid.group("cube"), "parallelized model input", input_ids=input_ids, labels=call.get("labels"))
+    agree_on_first_call(
+        model, grid.group("cube"), "parallelized model input", input_ids=input_ids, labels=call.get("labels")
+    )
     _check_batch(input_ids, grid)
     mask, positions = call.get("attention_mask"), call.get("position_ids")
     for name, t, dims in (("attention_mask", mask, 2), ("labels", call.get("labels"), 2)):
@@ -114,7 +132,9 @@ def lay_out_inputs(model: nn.Module, grid: Grid, args: tuple, kwargs: dict, *, p
     return (), call
 
 
-def attention_input_as_y_batch(attention: nn.Module, args: tuple, kwargs: dict, *, grid: Grid) -> tuple[tuple, dict]:
+def attention_input_as_y_batch(
+    attention: nn.Module, args: tuple, kwargs: dict, *, grid: Grid
+) -> tuple[tuple, dict]:
     """Forward pre-hook of an attention that views its projections with its input's batch (Llama's).
 
     The input is z-layout ``[b/(px·py), s, h/pz]``, the projections' outputs are y-layout
@@ -138,10 +158,18 @@ def projection_input_as_z(projection: nn.Module, args: tuple) -> tuple:
     return (x.reshape(-1, x.shape[1], projection.in_features // projection.grid.size("z")),)
 
 
-def causal_lm_loss_3d(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None, *, grid: Grid,
-                      num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
-                      shift_labels: torch.Tensor | None = None, runtime: Runtime | None = None,
-                      **kwargs) -> torch.Tensor:
+def causal_lm_loss_3d(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int | None = None,
+    *,
+    grid: Grid,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    runtime: Runtime | None = None,
+    **kwargs,
+) -> torch.Tensor:
     """transformers' causal-LM loss on y-layout logits ``[b/(px·pz), s, V'/py]`` and full labels ``[b, s]``.
 
     Labels are shifted as transformers shifts them (position ``t`` predicts label ``t+1``; the last
@@ -152,9 +180,15 @@ def causal_lm_loss_3d(logits: torch.Tensor, labels: torch.Tensor, vocab_size: in
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    loss = vocab_parallel_cross_entropy(logits, shift_labels.to(logits.device), ignore_index, grid, vocab_size,
-                                        compiled=runtime is not None and runtime.options.compile,
-                                        deferred=None if runtime is None else runtime.token_checks)
+    loss = vocab_parallel_cross_entropy(
+        logits,
+        shift_labels.to(logits.device),
+        ignore_index,
+        grid,
+        vocab_size,
+        compiled=runtime is not None and runtime.options.compile,
+        deferred=None if runtime is None else runtime.token_checks,
+    )
     if num_items_in_batch is not None:
         loss = loss * (shift_labels != ignore_index).sum() / num_items_in_batch
     return loss

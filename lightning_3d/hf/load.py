@@ -70,17 +70,25 @@ def folder_init(model: nn.Module, tensors: FolderTensors):
         else:
             raise ValueError(f"{tensors.path} holds no tensor {name!r} of {type(model).__name__}")
         if tuple(full.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: {tensors.path} holds shape {list(full.shape)}, {type(model).__name__} expects "
-                             f"{list(tensor.shape)}")
+            raise ValueError(
+                f"{name}: {tensors.path} holds shape {list(full.shape)}, {type(model).__name__} expects "
+                f"{list(tensor.shape)}"
+            )
         with torch.no_grad():
             tensor.copy_(full)
 
     return init
 
 
-def from_pretrained(path: str | os.PathLike, *, grid: Grid | None = None, plan: Plan | None = None,
-                    dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                    options: RuntimeOptions | None = None) -> nn.Module:
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    grid: Grid | None = None,
+    plan: Plan | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    options: RuntimeOptions | None = None,
+) -> nn.Module:
     """A ``transformers`` causal LM from a local folder, parallelized without ever being whole on a rank.
 
     Call it on every rank. Like ``AutoModelForCausalLM.from_pretrained(path)`` followed by
@@ -104,8 +112,12 @@ def from_pretrained(path: str | os.PathLike, *, grid: Grid | None = None, plan: 
     tensors = FolderTensors(path)
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype if dtype is not None else torch.get_default_dtype())
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype if dtype is not None else torch.get_default_dtype()
+        )
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
-    plan = dataclasses.replace(plan if plan is not None else find_plan(model), init=folder_init(model, tensors))
+    plan = dataclasses.replace(
+        plan if plan is not None else find_plan(model), init=folder_init(model, tensors)
+    )
     return parallelize(model, plan, grid=grid, device=device, options=options)

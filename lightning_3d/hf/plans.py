@@ -24,8 +24,18 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..grid import Grid
-from ..parallel import (Dropout, Linear, LMHead, Norm, Plan, PositionEmbedding, VocabEmbedding, register_norm, register_plan,
-                        runtime_of)
+from ..parallel import (
+    Dropout,
+    Linear,
+    LMHead,
+    Norm,
+    Plan,
+    PositionEmbedding,
+    VocabEmbedding,
+    register_norm,
+    register_plan,
+    runtime_of,
+)
 from ..versions import require
 from .interface import attention_input_as_y_batch, causal_lm_loss_3d, lay_out_inputs, projection_input_as_z
 
@@ -56,11 +66,20 @@ def _check_common(model: nn.Module, grid: Grid, heads: int) -> None:
     require("transformers")
     config = model.config
     impl = config._attn_implementation
-    _refuse_unless(impl in ATTENTION_IMPLEMENTATIONS, model, f"attention implementation {impl!r} is not supported",
-                   f"use one of {ATTENTION_IMPLEMENTATIONS} (model.set_attn_implementation('sdpa'))")
+    _refuse_unless(
+        impl in ATTENTION_IMPLEMENTATIONS,
+        model,
+        f"attention implementation {impl!r} is not supported",
+        f"use one of {ATTENTION_IMPLEMENTATIONS} (model.set_attn_implementation('sdpa'))",
+    )
     py = grid.size("y")
-    _refuse_unless(heads % py == 0, model, f"{heads} attention heads do not split over py = {py} (attention runs on whole "
-                   f"heads of each y block)", f"pick a grid whose py divides {heads}")
+    _refuse_unless(
+        heads % py == 0,
+        model,
+        f"{heads} attention heads do not split over py = {py} (attention runs on whole "
+        f"heads of each y block)",
+        f"pick a grid whose py divides {heads}",
+    )
 
 
 def _use_3d_loss(model: nn.Module, grid: Grid) -> None:
@@ -74,20 +93,35 @@ def check_llama(model: nn.Module, grid: Grid) -> None:
     config = model.config
     _check_common(model, grid, config.num_attention_heads)
     py, kv = grid.size("y"), config.num_key_value_heads
-    _refuse_unless(kv % py == 0, model, f"{kv} key/value heads do not split over py = {py} (each y block holds whole "
-                   f"key/value heads with their query heads)", f"pick a grid whose py divides {kv}")
+    _refuse_unless(
+        kv % py == 0,
+        model,
+        f"{kv} key/value heads do not split over py = {py} (each y block holds whole "
+        f"key/value heads with their query heads)",
+        f"pick a grid whose py divides {kv}",
+    )
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    _refuse_unless(rope in ROPE_TYPES, model, f"rope_type {rope!r} rescales by the longest sequence, which differs per rank",
-                   f"use one of {ROPE_TYPES}")
+    _refuse_unless(
+        rope in ROPE_TYPES,
+        model,
+        f"rope_type {rope!r} rescales by the longest sequence, which differs per rank",
+        f"use one of {ROPE_TYPES}",
+    )
     window = getattr(config, "sliding_window", None)
-    _refuse_unless(window is None, model, f"sliding-window attention (sliding_window={window}) is not supported",
-                   "set config.sliding_window = None (the same model when sequences are no longer than the window)")
+    _refuse_unless(
+        window is None,
+        model,
+        f"sliding-window attention (sliding_window={window}) is not supported",
+        "set config.sliding_window = None (the same model when sequences are no longer than the window)",
+    )
 
 
 def prepare_llama(model: nn.Module, grid: Grid) -> None:
     """Hand each attention its input as a y-batch view, and use the 3-D loss."""
     for layer in model.model.layers:
-        layer.self_attn.register_forward_pre_hook(functools.partial(attention_input_as_y_batch, grid=grid), with_kwargs=True)
+        layer.self_attn.register_forward_pre_hook(
+            functools.partial(attention_input_as_y_batch, grid=grid), with_kwargs=True
+        )
     _use_3d_loss(model, grid)
 
 
@@ -95,7 +129,12 @@ def check_gpt2(model: nn.Module, grid: Grid) -> None:
     """Refuse a GPT-2 config that ``grid`` cannot split, naming the numbers and the fix."""
     config = model.config
     _check_common(model, grid, config.n_head)
-    _refuse_unless(not config.add_cross_attention, model, "cross-attention is not supported", "set add_cross_attention=False")
+    _refuse_unless(
+        not config.add_cross_attention,
+        model,
+        "cross-attention is not supported",
+        "set add_cross_attention=False",
+    )
 
 
 def prepare_gpt2(model: nn.Module, grid: Grid) -> None:
@@ -122,8 +161,13 @@ def llama_plan(model: nn.Module) -> Plan:
         "model.norm": Norm("z"),
         "lm_head": LMHead(),
     }
-    return Plan(rules, checkpoint=("model.layers.*",), validate=check_llama, prepare=prepare_llama,
-                before_forward=functools.partial(lay_out_inputs, position_rows="xz"))
+    return Plan(
+        rules,
+        checkpoint=("model.layers.*",),
+        validate=check_llama,
+        prepare=prepare_llama,
+        before_forward=functools.partial(lay_out_inputs, position_rows="xz"),
+    )
 
 
 def gpt2_plan(model: nn.Module) -> Plan:
@@ -145,8 +189,13 @@ def gpt2_plan(model: nn.Module) -> Plan:
         "transformer.ln_f": Norm("z"),
         "lm_head": LMHead(),
     }
-    return Plan(rules, checkpoint=("transformer.h.*",), validate=check_gpt2, prepare=prepare_gpt2,
-                before_forward=functools.partial(lay_out_inputs, position_rows="xy"))
+    return Plan(
+        rules,
+        checkpoint=("transformer.h.*",),
+        validate=check_gpt2,
+        prepare=prepare_gpt2,
+        before_forward=functools.partial(lay_out_inputs, position_rows="xy"),
+    )
 
 
 def register_builtin_plans() -> None:

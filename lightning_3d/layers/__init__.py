@@ -10,5 +10,17 @@ from .norm import LayerNorm3D, RMSNorm3D
 from .position import PositionEmbedding3D
 from .vocab import LMHead3D, PaddedEmbedding3D, padded_vocab_size
 
-__all__ = ["CrossEntropyLoss3D", "Dropout3D", "FusedLinear3D", "LMHead3D", "LayerNorm3D", "Linear3D", "Module3D",
-           "PaddedEmbedding3D", "PositionEmbedding3D", "RMSNorm3D", "VocabParallelEmbedding3D", "padded_vocab_size"]
+__all__ = [
+    "CrossEntropyLoss3D",
+    "Dropout3D",
+    "FusedLinear3D",
+    "LMHead3D",
+    "LayerNorm3D",
+    "Linear3D",
+    "Module3D",
+    "PaddedEmbedding3D",
+    "PositionEmbedding3D",
+    "RMSNorm3D",
+    "VocabParallelEmbedding3D",
+    "padded_vocab_size",
+]

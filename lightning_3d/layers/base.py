@@ -8,9 +8,9 @@ what the dense twin's ``state_dict()`` holds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -102,7 +102,9 @@ class Module3D(nn.Module):
     def _describe(self, **fields) -> str:
         px, py, pz = self.grid.shape
         head = ", ".join(f"{k}={v}" for k, v in fields.items())
-        specs = "; ".join(f"{n}: {get_spec(p).describe(self.grid)}" for n, p in self.named_parameters(recurse=False))
+        specs = "; ".join(
+            f"{n}: {get_spec(p).describe(self.grid)}" for n, p in self.named_parameters(recurse=False)
+        )
         return f"{head}, grid={px}×{py}×{pz}" + (f", {specs}" if specs else "")
 
 
@@ -110,7 +112,9 @@ def modules_3d(model: nn.Module) -> list[Module3D]:
     """The 3-D layers of ``model`` (``ValueError`` when it holds none)."""
     layers = [m for m in model.modules() if isinstance(m, Module3D)]
     if not layers:
-        raise ValueError(f"{type(model).__name__} holds no 3-D layers: call lightning_3d.parallelize(model) first")
+        raise ValueError(
+            f"{type(model).__name__} holds no 3-D layers: call lightning_3d.parallelize(model) first"
+        )
     return layers
 
 
@@ -118,7 +122,9 @@ def grid_of(model: nn.Module) -> Grid:
     """The grid the 3-D layers of ``model`` live on."""
     grids = {id(m.grid): m.grid for m in modules_3d(model)}
     if len(grids) > 1:
-        raise ValueError(f"{type(model).__name__} has 3-D layers on {len(grids)} different grids: {list(grids.values())}")
+        raise ValueError(
+            f"{type(model).__name__} has 3-D layers on {len(grids)} different grids: {list(grids.values())}"
+        )
     return next(iter(grids.values()))
 
 
@@ -128,7 +134,13 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     keys, in its shapes (vocabulary padding dropped, packed weights flattened, ``[in, out]`` weights as it
     stores them), on every cube rank. Collective over the cube."""
     grid = grid_of(model)
-    out, done, shapes, transposed, orders = {}, {}, dense_shapes(model), set(dense_transposed(model)), dense_row_orders(model)
+    out, done, shapes, transposed, orders = (
+        {},
+        {},
+        dense_shapes(model),
+        set(dense_transposed(model)),
+        dense_row_orders(model),
+    )
     for key, t in model.state_dict(keep_vars=True).items():
         spec = get_spec(t)
         if spec is None:
@@ -149,19 +161,28 @@ def load_dense_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor],
     missing = [k for k in own if k not in state_dict]
     unexpected = [k for k in state_dict if k not in own]
     if strict and (missing or unexpected):
-        raise KeyError(f"dense state dict does not match the module: missing {missing}, unexpected {unexpected}")
+        raise KeyError(
+            f"dense state dict does not match the module: missing {missing}, unexpected {unexpected}"
+        )
     shapes, transposed, orders = dense_shapes(model), set(dense_transposed(model)), dense_row_orders(model)
     for key, t in own.items():
         if key not in state_dict:
             continue
         full = state_dict[key]
         spec = get_spec(t)
-        shape = tuple(shapes[key]) if key in shapes else spec.global_shape if spec is not None else tuple(t.shape)
+        shape = (
+            tuple(shapes[key]) if key in shapes else spec.global_shape if spec is not None else tuple(t.shape)
+        )
         shape = shape[::-1] if key in transposed else shape
         if tuple(full.shape) != shape:
-            raise ValueError(f"{key}: the dense state dict holds shape {list(full.shape)}, the module expects {list(shape)}"
-                             + (" (the dense twin's [in, out] layout)" if key in transposed else ""))
+            raise ValueError(
+                f"{key}: the dense state dict holds shape {list(full.shape)}, the module expects {list(shape)}"
+                + (" (the dense twin's [in, out] layout)" if key in transposed else "")
+            )
         if spec is not None:
-            full = shard_tensor(dense_to_global(full.to(t.device), spec.global_shape, key in transposed, orders.get(key)),
-                                spec, grid)
+            full = shard_tensor(
+                dense_to_global(full.to(t.device), spec.global_shape, key in transposed, orders.get(key)),
+                spec,
+                grid,
+            )
         t.copy_(full)

@@ -28,18 +28,36 @@ class VocabParallelEmbedding3D(Module3D):
     every cube rank was given the same ids (one small all-gather over the cube).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, grid: Grid | None = None, device=None, dtype=None,
-                 vocab_size: int | None = None, padding_idx: int | None = None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        grid: Grid | None = None,
+        device=None,
+        dtype=None,
+        vocab_size: int | None = None,
+        padding_idx: int | None = None,
+    ):
         super().__init__(grid)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_size = num_embeddings if vocab_size is None else vocab_size
         if not 0 < self.vocab_size <= num_embeddings:
-            raise ValueError(f"VocabParallelEmbedding3D: vocab_size {vocab_size} must be in [1, num_embeddings = {num_embeddings}]")
+            raise ValueError(
+                f"VocabParallelEmbedding3D: vocab_size {vocab_size} must be in [1, num_embeddings = {num_embeddings}]"
+            )
         if padding_idx is not None and not 0 <= padding_idx < self.vocab_size:
-            raise ValueError(f"VocabParallelEmbedding3D: padding_idx {padding_idx} must be in [0, vocab_size = {self.vocab_size})")
+            raise ValueError(
+                f"VocabParallelEmbedding3D: padding_idx {padding_idx} must be in [0, vocab_size = {self.vocab_size})"
+            )
         self.padding_idx = padding_idx
         spec = linear_weight_spec(num_embeddings, embedding_dim, Layout("z"))
-        self.weight = sharded_parameter(spec, self.grid, f"VocabParallelEmbedding3D({num_embeddings}, {embedding_dim}) weight", device, dtype)
+        self.weight = sharded_parameter(
+            spec,
+            self.grid,
+            f"VocabParallelEmbedding3D({num_embeddings}, {embedding_dim}) weight",
+            device,
+            dtype,
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -49,7 +67,13 @@ class VocabParallelEmbedding3D(Module3D):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         agree_on_first_call(self, self.grid.group("cube"), "VocabParallelEmbedding3D input", ids=ids)
         if self.options.check_inputs:
-            check_token_range(ids, self.vocab_size, "VocabParallelEmbedding3D", "token id", deferred=self.runtime.token_checks)
+            check_token_range(
+                ids,
+                self.vocab_size,
+                "VocabParallelEmbedding3D",
+                "token id",
+                deferred=self.runtime.token_checks,
+            )
         px, py, _ = self.grid.shape
         b = ids.shape[0]
         if b % (px * py):
@@ -60,9 +84,17 @@ class VocabParallelEmbedding3D(Module3D):
         i, j = self.grid.coord("x"), self.grid.coord("y")
         rows = b // px
         vocab_start = j * (self.num_embeddings // py)
-        return vocab_parallel_embedding(ids[i * rows : (i + 1) * rows], self.weight, vocab_start, self.grid.group("x"), self.grid.group("y"),
-                                        self.padding_idx)
+        return vocab_parallel_embedding(
+            ids[i * rows : (i + 1) * rows],
+            self.weight,
+            vocab_start,
+            self.grid.group("x"),
+            self.grid.group("y"),
+            self.padding_idx,
+        )
 
     def extra_repr(self) -> str:
         sizes = {"vocab_size": self.vocab_size} if self.vocab_size != self.num_embeddings else {}
-        return self._describe(num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim, **sizes, layout="ids→z")
+        return self._describe(
+            num_embeddings=self.num_embeddings, embedding_dim=self.embedding_dim, **sizes, layout="ids→z"
+        )

@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from ..grid import Grid
-from .base import Module3D, init_sharded_, sharded_parameter
-from .linear import linear_weight_spec
 from ..layout import Layout, as_layout, check_local_activation
 from ..ops.matmul import matmul_abt
 from ..ops.replicated import use_replicated
 from ..options import RuntimeOptions
 from ..sharding import ShardSpec
+from .base import Module3D, init_sharded_, sharded_parameter
+from .linear import linear_weight_spec
 
 
 class FusedLinear3D(Module3D):
@@ -47,9 +47,19 @@ class FusedLinear3D(Module3D):
 
     traceable = True
 
-    def __init__(self, in_features: int, out_features: int, groups: int, bias: bool = True,
-                 input_layout: str | Layout = "z", grid: Grid | None = None, device=None, dtype=None,
-                 options: RuntimeOptions | None = None, transposed: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        groups: int,
+        bias: bool = True,
+        input_layout: str | Layout = "z",
+        grid: Grid | None = None,
+        device=None,
+        dtype=None,
+        options: RuntimeOptions | None = None,
+        transposed: bool = False,
+    ):
         super().__init__(grid, options)
         self.in_features, self.out_features, self.groups = in_features, out_features, groups
         self.dense_transposed = ("weight",) if transposed else ()
@@ -57,7 +67,13 @@ class FusedLinear3D(Module3D):
         self.output_layout = self.input_layout.other
         what = f"FusedLinear3D({in_features}, {groups}×{out_features}, input_layout={self.input_layout})"
         plain = linear_weight_spec(out_features, in_features, self.input_layout)
-        self.weight = sharded_parameter(ShardSpec((groups,) + plain.global_shape, ((),) + plain.dims), self.grid, what + " weight", device, dtype)
+        self.weight = sharded_parameter(
+            ShardSpec((groups,) + plain.global_shape, ((),) + plain.dims),
+            self.grid,
+            what + " weight",
+            device,
+            dtype,
+        )
         bias_spec = ShardSpec((groups, out_features), ((), (self.input_layout.row_axis,)))
         self.bias = sharded_parameter(bias_spec, self.grid, what + " bias", device, dtype) if bias else None
         self.reset_parameters()
@@ -65,7 +81,9 @@ class FusedLinear3D(Module3D):
     def reset_parameters(self) -> None:
         """``nn.Linear(in, out)``'s init for each group."""
         bound = 1 / math.sqrt(self.in_features)
-        init_sharded_(self.weight, self.grid, lambda w: [nn.init.kaiming_uniform_(g, a=math.sqrt(5)) for g in w])
+        init_sharded_(
+            self.weight, self.grid, lambda w: [nn.init.kaiming_uniform_(g, a=math.sqrt(5)) for g in w]
+        )
         if self.bias is not None:
             init_sharded_(self.bias, self.grid, lambda b: nn.init.uniform_(b, -bound, bound))
 
@@ -106,14 +124,24 @@ class FusedLinear3D(Module3D):
         from separate kernels). On larger cubes, views of one 3-D product. It runs outside the
         module's call: forward hooks registered on the layer do not see it."""
         if sum(runs) != self.groups:
-            raise ValueError(f"runs {list(runs)} sum to {sum(runs)}, not to the {self.groups} groups of {self.extra_repr()}")
+            raise ValueError(
+                f"runs {list(runs)} sum to {sum(runs)}, not to the {self.groups} groups of {self.extra_repr()}"
+            )
         if self.grid.cube_size > 1:
             return self._product(x).split(list(runs), -2)
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "FusedLinear3D input")
         bias, starts = self._bias(), itertools.accumulate(runs, initial=0)
-        return tuple(matmul_abt(x, self.weight[start:start + n], self._directions, self.grid, self.runtime,
-                                None if bias is None else bias[start:start + n].flatten()).unflatten(-1, (1, n, -1))
-                     for start, n in zip(starts, runs))
+        return tuple(
+            matmul_abt(
+                x,
+                self.weight[start : start + n],
+                self._directions,
+                self.grid,
+                self.runtime,
+                None if bias is None else bias[start : start + n].flatten(),
+            ).unflatten(-1, (1, n, -1))
+            for start, n in zip(starts, runs)
+        )
 
     @property
     def _directions(self) -> tuple[str, str, str]:
@@ -130,6 +158,10 @@ class FusedLinear3D(Module3D):
         return [(self.bias, self.input_layout.feature_axis)] if self.bias is not None else []
 
     def extra_repr(self) -> str:
-        return self._describe(in_features=self.in_features, out_features=self.out_features, groups=self.groups,
-                              layout=f"{self.input_layout}→{self.output_layout}",
-                              **({"dense": "[in, groups·out]"} if self.dense_transposed else {}))
+        return self._describe(
+            in_features=self.in_features,
+            out_features=self.out_features,
+            groups=self.groups,
+            layout=f"{self.input_layout}→{self.output_layout}",
+            **({"dense": "[in, groups·out]"} if self.dense_transposed else {}),
+        )

@@ -10,8 +10,8 @@ from torch import nn
 from ..grid import Grid
 from ..layout import Layout, as_layout, check_local_activation
 from ..ops.matmul import matmul_abt
-from ..options import RuntimeOptions
 from ..ops.replicated import use_replicated
+from ..options import RuntimeOptions
 from ..sharding import ShardSpec
 from .base import Module3D, init_sharded_, sharded_parameter
 
@@ -23,7 +23,9 @@ def linear_weight_spec(out_features: int, in_features: int, input_layout: Layout
     local ``[out/(px·py), in/pz]``. Exchange y and z for ``"y"`` input. Every element lives on
     exactly one rank of the cube.
     """
-    return ShardSpec((out_features, in_features), ((input_layout.row_axis, "x"), (input_layout.feature_axis,)))
+    return ShardSpec(
+        (out_features, in_features), ((input_layout.row_axis, "x"), (input_layout.feature_axis,))
+    )
 
 
 class Linear3D(Module3D):
@@ -62,7 +64,13 @@ class Linear3D(Module3D):
         self.input_layout = as_layout(input_layout)
         self.output_layout = self.input_layout.other
         what = f"Linear3D({in_features}, {out_features}, input_layout={self.input_layout})"
-        self.weight = sharded_parameter(linear_weight_spec(out_features, in_features, self.input_layout), self.grid, what + " weight", device, dtype)
+        self.weight = sharded_parameter(
+            linear_weight_spec(out_features, in_features, self.input_layout),
+            self.grid,
+            what + " weight",
+            device,
+            dtype,
+        )
         bias_spec = ShardSpec((out_features,), ((self.input_layout.row_axis,),))
         self.bias = sharded_parameter(bias_spec, self.grid, what + " bias", device, dtype) if bias else None
         self.reset_parameters()
@@ -77,7 +85,11 @@ class Linear3D(Module3D):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_local_activation(x, self.input_layout, self.in_features, self.grid, "Linear3D input")
         directions = (self.input_layout.row_axis, "x", self.input_layout.feature_axis)
-        bias = use_replicated(self.bias, self.grid, grad_summed_over=directions[2]) if self.bias is not None else None
+        bias = (
+            use_replicated(self.bias, self.grid, grad_summed_over=directions[2])
+            if self.bias is not None
+            else None
+        )
         return matmul_abt(x, self.weight, directions, self.grid, self.runtime, bias)
 
     def replicated_parameters(self) -> list[tuple[nn.Parameter, str]]:
@@ -86,5 +98,9 @@ class Linear3D(Module3D):
 
     def extra_repr(self) -> str:
         layouts = f"{self.input_layout}→{self.output_layout}"
-        return self._describe(in_features=self.in_features, out_features=self.out_features, layout=layouts,
-                              **({"dense": "[in, out]"} if self.dense_transposed else {}))
+        return self._describe(
+            in_features=self.in_features,
+            out_features=self.out_features,
+            layout=layouts,
+            **({"dense": "[in, out]"} if self.dense_transposed else {}),
+        )

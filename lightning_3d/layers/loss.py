@@ -21,15 +21,30 @@ class CrossEntropyLoss3D(Module3D):
     same targets.
     """
 
-    def __init__(self, ignore_index: int = -100, grid: Grid | None = None, vocab_size: int | None = None,
-                 options: RuntimeOptions | None = None, check_targets: bool = True):
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        grid: Grid | None = None,
+        vocab_size: int | None = None,
+        options: RuntimeOptions | None = None,
+        check_targets: bool = True,
+    ):
         super().__init__(grid, options)
         self.ignore_index = ignore_index
         self.vocab_size = vocab_size
         self.check_targets = check_targets
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        agree_on_first_call(self, self.grid.group("cube"), "CrossEntropyLoss3D targets", targets=targets, logits=logits)
-        return vocab_parallel_cross_entropy(logits, targets, self.ignore_index, self.grid, self.vocab_size,
-                                            self.check_targets and self.options.check_inputs, self.options.compile,
-                                            deferred=self.runtime.token_checks)
+        agree_on_first_call(
+            self, self.grid.group("cube"), "CrossEntropyLoss3D targets", targets=targets, logits=logits
+        )
+        return vocab_parallel_cross_entropy(
+            logits,
+            targets,
+            self.ignore_index,
+            self.grid,
+            self.vocab_size,
+            self.check_targets and self.options.check_inputs,
+            self.options.compile,
+            deferred=self.runtime.token_checks,
+        )

@@ -35,8 +35,16 @@ class _Norm3D(Module3D):
         self.eps, self.elementwise_affine = eps, elementwise_affine
         spec = ShardSpec(self.normalized_shape, ((self.layout.feature_axis,),))
         what = f"{type(self).__name__}({self.normalized_shape[0]}, layout={self.layout})"
-        self.weight = sharded_parameter(spec, self.grid, what + " weight", device, dtype) if elementwise_affine else None
-        self.bias = sharded_parameter(spec, self.grid, what + " bias", device, dtype) if elementwise_affine and bias else None
+        self.weight = (
+            sharded_parameter(spec, self.grid, what + " weight", device, dtype)
+            if elementwise_affine
+            else None
+        )
+        self.bias = (
+            sharded_parameter(spec, self.grid, what + " bias", device, dtype)
+            if elementwise_affine and bias
+            else None
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -46,14 +54,18 @@ class _Norm3D(Module3D):
             init_sharded_(self.bias, self.grid, nn.init.zeros_)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_local_activation(x, self.layout, self.normalized_shape[0], self.grid, f"{type(self).__name__} input")
+        check_local_activation(
+            x, self.layout, self.normalized_shape[0], self.grid, f"{type(self).__name__} input"
+        )
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         weight, bias = use_replicated_together((self.weight, self.bias), self.grid)
         if self.grid.size(self.layout.feature_axis) == 1:  # whole rows on this rank: torch's fused kernel
             if self.center:
                 return F.layer_norm(x, self.normalized_shape, weight, bias, eps)
             return F.rms_norm(x, self.normalized_shape, weight, eps)
-        y = normalize(x, self.normalized_shape[0], eps, self.center, self.grid.group(self.layout.feature_axis))
+        y = normalize(
+            x, self.normalized_shape[0], eps, self.center, self.grid.group(self.layout.feature_axis)
+        )
         if weight is not None:
             y = y * weight
         if bias is not None:
@@ -72,8 +84,17 @@ class LayerNorm3D(_Norm3D):
 
     center = True
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
-                 layout: str | Layout = "z", grid: Grid | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        layout: str | Layout = "z",
+        grid: Grid | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, layout, grid, device, dtype)
 
 
@@ -82,6 +103,14 @@ class RMSNorm3D(_Norm3D):
 
     center = False
 
-    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
-                 layout: str | Layout = "z", grid: Grid | None = None, device=None, dtype=None):
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        layout: str | Layout = "z",
+        grid: Grid | None = None,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(normalized_shape, eps, elementwise_affine, False, layout, grid, device, dtype)

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..grid import Grid
-from .base import Module3D, init_sharded_, sharded_parameter
 from ..ops.replicated import use_replicated
 from ..sharding import ShardSpec
+from .base import Module3D, init_sharded_, sharded_parameter
 
 
 class PositionEmbedding3D(Module3D):
@@ -20,11 +20,15 @@ class PositionEmbedding3D(Module3D):
     z-layout ``[b/(px·py), s, h/pz]`` (positions ``[s]`` broadcast over the batch block).
     """
 
-    def __init__(self, num_positions: int, embedding_dim: int, grid: Grid | None = None, device=None, dtype=None):
+    def __init__(
+        self, num_positions: int, embedding_dim: int, grid: Grid | None = None, device=None, dtype=None
+    ):
         super().__init__(grid)
         self.num_positions, self.embedding_dim = num_positions, embedding_dim
         spec = ShardSpec((num_positions, embedding_dim), ((), ("z",)))
-        self.weight = sharded_parameter(spec, self.grid, f"PositionEmbedding3D({num_positions}, {embedding_dim}) weight", device, dtype)
+        self.weight = sharded_parameter(
+            spec, self.grid, f"PositionEmbedding3D({num_positions}, {embedding_dim}) weight", device, dtype
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -38,4 +42,6 @@ class PositionEmbedding3D(Module3D):
         return [(self.weight, "")]
 
     def extra_repr(self) -> str:
-        return self._describe(num_positions=self.num_positions, embedding_dim=self.embedding_dim, layout="positions→z")
+        return self._describe(
+            num_positions=self.num_positions, embedding_dim=self.embedding_dim, layout="positions→z"
+        )

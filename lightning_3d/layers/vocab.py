@@ -29,9 +29,25 @@ def padded_vocab_size(vocab_size: int, grid: Grid | None = None, multiple: int =
 class PaddedEmbedding3D(VocabParallelEmbedding3D):
     """:class:`VocabParallelEmbedding3D` of ``vocab_size`` real rows stored as ``padded_vocab_size`` rows."""
 
-    def __init__(self, vocab_size: int, padded_vocab_size: int, embedding_dim: int, grid: Grid | None = None,
-                 device=None, dtype=None, padding_idx: int | None = None):
-        super().__init__(padded_vocab_size, embedding_dim, grid, device, dtype, vocab_size=vocab_size, padding_idx=padding_idx)
+    def __init__(
+        self,
+        vocab_size: int,
+        padded_vocab_size: int,
+        embedding_dim: int,
+        grid: Grid | None = None,
+        device=None,
+        dtype=None,
+        padding_idx: int | None = None,
+    ):
+        super().__init__(
+            padded_vocab_size,
+            embedding_dim,
+            grid,
+            device,
+            dtype,
+            vocab_size=vocab_size,
+            padding_idx=padding_idx,
+        )
 
     @property
     def dense_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -46,8 +62,17 @@ class LMHead3D(Linear3D):
     A tied head shares the :class:`PaddedEmbedding3D` weight: both are ``[V', h]`` z-input weights.
     """
 
-    def __init__(self, in_features: int, vocab_size: int, padded_vocab_size: int, bias: bool = False,
-                 grid: Grid | None = None, device=None, dtype=None, options: RuntimeOptions | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        vocab_size: int,
+        padded_vocab_size: int,
+        bias: bool = False,
+        grid: Grid | None = None,
+        device=None,
+        dtype=None,
+        options: RuntimeOptions | None = None,
+    ):
         if padded_vocab_size < vocab_size:
             raise ValueError(f"padded_vocab_size {padded_vocab_size} < vocab_size {vocab_size}")
         super().__init__(in_features, padded_vocab_size, bias, "z", grid, device, dtype, options)

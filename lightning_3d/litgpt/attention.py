@@ -30,13 +30,22 @@ class GridSelfAttention(nn.Module):
         self.qkv, self.proj = qkv, proj
         self.queries_per_kv, self.head_size = queries_per_kv, head_size
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None,
-                input_pos: torch.Tensor | None = None, input_pos_maxp1: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        input_pos: torch.Tensor | None = None,
+        input_pos_maxp1: int | None = None,
+    ) -> torch.Tensor:
         if mask is not None or input_pos is not None:
             raise ValueError("the parallelized LitGPT model keeps no KV cache: call it without input_pos")
         rope = (cos[0], sin[0]) if cos.shape[-1] else None
         return self.proj(packed_attention(self.qkv, x, self.queries_per_kv, self.head_size, rope))
 
     def build_kv_cache(self, *args, **kwargs):
-        raise ValueError("the parallelized LitGPT model keeps no KV cache (GPT.set_kv_cache): generate with the "
-                         "unparallelized model, loaded from lightning_3d.dense_state_dict(model)")
+        raise ValueError(
+            "the parallelized LitGPT model keeps no KV cache (GPT.set_kv_cache): generate with the "
+            "unparallelized model, loaded from lightning_3d.dense_state_dict(model)"
+        )

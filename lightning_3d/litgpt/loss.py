@@ -9,8 +9,12 @@ from ..ops.cross_entropy import vocab_parallel_cross_entropy
 from ..parallel import grid_of, runtime_of
 
 
-def cross_entropy(model: nn.Module, logits: torch.Tensor | list[torch.Tensor], targets: torch.Tensor,
-                  ignore_index: int = -100) -> torch.Tensor:
+def cross_entropy(
+    model: nn.Module,
+    logits: torch.Tensor | list[torch.Tensor],
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """What ``litgpt.utils.chunked_cross_entropy(logits, targets)`` computes on the unparallelized
     model: the mean cross-entropy over the targets that are not ``ignore_index``, softmax over
     LitGPT's padded vocabulary (``config.padded_vocab_size``); its local passes over the logits
@@ -27,5 +31,11 @@ def cross_entropy(model: nn.Module, logits: torch.Tensor | list[torch.Tensor], t
     """
     if isinstance(logits, (list, tuple)):
         logits = torch.cat(list(logits), 1)
-    return vocab_parallel_cross_entropy(logits, targets, ignore_index, grid_of(model), model.config.padded_vocab_size,
-                                        compiled=runtime_of(model).options.compile)
+    return vocab_parallel_cross_entropy(
+        logits,
+        targets,
+        ignore_index,
+        grid_of(model),
+        model.config.padded_vocab_size,
+        compiled=runtime_of(model).options.compile,
+    )

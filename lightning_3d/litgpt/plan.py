@@ -54,14 +54,20 @@ class QueryGroupedQKV(Linear):
     def build(self, name, module, grid, options):
         layer = super().build(name, module, grid, options)
         block, order = self.dense_order(layer.out_features)
-        if list(order) != sorted(order):  # the orders differ with several query heads per key/value head and several of those
-            layer.dense_row_order = {n: (block, order) for n in ("weight", "bias") if getattr(layer, n, None) is not None}
+        if list(order) != sorted(
+            order
+        ):  # the orders differ with several query heads per key/value head and several of those
+            layer.dense_row_order = {
+                n: (block, order) for n in ("weight", "bias") if getattr(layer, n, None) is not None
+            }
         return layer
 
     def dense_order(self, out_features: int) -> tuple[int, tuple[int, ...]]:
         """``(block, order)``: dense head-row block ``k`` is the 3-D layer's block ``order[k]``, blocks of ``hs`` rows."""
         r, kv = self.queries_per_kv, out_features // self.head_size
-        queries = [g * kv + t for t in range(kv) for g in range(r)]  # LitGPT's head t·r + g lies in slot g, row t
+        queries = [
+            g * kv + t for t in range(kv) for g in range(r)
+        ]  # LitGPT's head t·r + g lies in slot g, row t
         return self.head_size, tuple(queries + list(range(r * kv, (r + 2) * kv)))
 
 
@@ -89,30 +95,73 @@ def check_litgpt(model: nn.Module, grid: Grid) -> None:
     for field, what in unsupported.items():
         value = getattr(config, field, None)
         if value:
-            _refuse(model, f"config.{field}={value!r}", f"{what} is not supported",
-                    f"use a config without it (config.{field}=None/False"
-                    + (": the same model for sequences no longer than the window)" if field == "sliding_window_size" else ")"))
+            _refuse(
+                model,
+                f"config.{field}={value!r}",
+                f"{what} is not supported",
+                f"use a config without it (config.{field}=None/False"
+                + (
+                    ": the same model for sequences no longer than the window)"
+                    if field == "sliding_window_size"
+                    else ")"
+                ),
+            )
     if config.mlp_class_name not in MLPS:
-        _refuse(model, f"config.mlp_class_name={config.mlp_class_name!r}", "this MLP class is not supported"
-                + (" (mixture of experts)" if "MoE" in config.mlp_class_name else ""), f"use one of {sorted(MLPS)}")
+        _refuse(
+            model,
+            f"config.mlp_class_name={config.mlp_class_name!r}",
+            "this MLP class is not supported"
+            + (" (mixture of experts)" if "MoE" in config.mlp_class_name else ""),
+            f"use one of {sorted(MLPS)}",
+        )
     if config.attention_scores_scalar not in (None, config.head_size):
-        _refuse(model, f"config.attention_scores_scalar={config.attention_scores_scalar}",
-                f"attention scaled other than by 1/sqrt(head_size={config.head_size}) is not supported", "leave it None")
+        _refuse(
+            model,
+            f"config.attention_scores_scalar={config.attention_scores_scalar}",
+            f"attention scaled other than by 1/sqrt(head_size={config.head_size}) is not supported",
+            "leave it None",
+        )
     if config.rope_n_elem % 2:
-        _refuse(model, f"config.rope_n_elem={config.rope_n_elem}", "an odd number of rotary features is not supported",
-                "pick rotary_percentage so that rotary_percentage·head_size is even")
+        _refuse(
+            model,
+            f"config.rope_n_elem={config.rope_n_elem}",
+            "an odd number of rotary features is not supported",
+            "pick rotary_percentage so that rotary_percentage·head_size is even",
+        )
     for name, module in model.named_modules():
         if isinstance(module, lm.CausalSelfAttention) and module.mscale != 1.0:
-            _refuse(model, name, f"YaRN's attention scale (mscale {module.mscale}) is not supported", "drop mscale_all_dim")
+            _refuse(
+                model,
+                name,
+                f"YaRN's attention scale (mscale {module.mscale}) is not supported",
+                "drop mscale_all_dim",
+            )
         if name.endswith(("norm_1", "norm_2", "ln_f")) and not isinstance(module, nn.Identity):
-            if type(module).__name__ not in NORMS or getattr(module, "add_unit_offset", False) or getattr(module, "dim", -1) != -1:
-                _refuse(model, name, f"{type(module).__name__} (unit offset {getattr(module, 'add_unit_offset', False)}) is not "
-                        "supported", f"use config.norm_class_name in {NORMS}, a weight applied as x̂·weight over the last dim")
+            if (
+                type(module).__name__ not in NORMS
+                or getattr(module, "add_unit_offset", False)
+                or getattr(module, "dim", -1) != -1
+            ):
+                _refuse(
+                    model,
+                    name,
+                    f"{type(module).__name__} (unit offset {getattr(module, 'add_unit_offset', False)}) is not "
+                    "supported",
+                    f"use config.norm_class_name in {NORMS}, a weight applied as x̂·weight over the last dim",
+                )
     py = grid.size("y")
-    for heads, what in ((config.n_head, "attention heads"), (config.n_query_groups, "query groups (key/value heads)")):
+    for heads, what in (
+        (config.n_head, "attention heads"),
+        (config.n_query_groups, "query groups (key/value heads)"),
+    ):
         if heads % py:
-            _refuse(model, f"{heads} {what}", f"they do not split over py = {py} (attention runs on whole heads of each y "
-                    "block, with their key/value heads)", f"pick a grid whose py divides {heads}")
+            _refuse(
+                model,
+                f"{heads} {what}",
+                f"they do not split over py = {py} (attention runs on whole heads of each y "
+                "block, with their key/value heads)",
+                f"pick a grid whose py divides {heads}",
+            )
 
 
 def check_call(model: nn.Module, grid: Grid, args: tuple, kwargs: dict) -> None:
@@ -125,23 +174,28 @@ def check_call(model: nn.Module, grid: Grid, args: tuple, kwargs: dict) -> None:
     px, py, pz = grid.shape
     multiple = math.lcm(px * py, px * pz)
     if idx.dim() != 2 or idx.shape[0] % multiple:
-        raise ValueError(f"idx {list(idx.shape)}: the parallelized model takes the full batch [b, s] on every cube rank, "
-                         f"with b a multiple of lcm(px·py, px·pz) = {multiple} on grid {grid.shape}")
+        raise ValueError(
+            f"idx {list(idx.shape)}: the parallelized model takes the full batch [b, s] on every cube rank, "
+            f"with b a multiple of lcm(px·py, px·pz) = {multiple} on grid {grid.shape}"
+        )
 
 
 def use_grid_attention(model: nn.Module, grid: Grid) -> None:
     """The plan's ``prepare``: each block's attention computes on this rank's heads (same ``qkv``, ``proj``)."""
     config = model.config
     for block in model.transformer.h:
-        block.attn = GridSelfAttention(block.attn.qkv, block.attn.proj, config.n_head // config.n_query_groups,
-                                       config.head_size)
+        block.attn = GridSelfAttention(
+            block.attn.qkv, block.attn.proj, config.n_head // config.n_query_groups, config.head_size
+        )
 
 
 def litgpt_plan(model: nn.Module) -> Plan:
     """The plan of ``litgpt.model.GPT`` for ``model``'s config (see the module docstring)."""
     import litgpt.model as lm
 
-    register_norm(lm.RMSNorm, "rmsnorm")  # x̂·weight over the last dim; a unit offset (Gemma) is refused by check_litgpt
+    register_norm(
+        lm.RMSNorm, "rmsnorm"
+    )  # x̂·weight over the last dim; a unit offset (Gemma) is refused by check_litgpt
     config = model.config
     block = "transformer.h.*."
     rules = {"transformer.wte": VocabEmbedding()}
@@ -149,17 +203,25 @@ def litgpt_plan(model: nn.Module) -> Plan:
         rules[block + "norm_1"] = Norm("z")
     if config.norm_2 and not config.shared_attention_norm:
         rules[block + "norm_2"] = Norm("z")
-    rules[block + "attn.qkv"] = QueryGroupedQKV("z", groups=config.n_head // config.n_query_groups + 2,
-                                                queries_per_kv=config.n_head // config.n_query_groups,
-                                                head_size=config.head_size)
+    rules[block + "attn.qkv"] = QueryGroupedQKV(
+        "z",
+        groups=config.n_head // config.n_query_groups + 2,
+        queries_per_kv=config.n_head // config.n_query_groups,
+        head_size=config.head_size,
+    )
     rules[block + "attn.proj"] = Linear("y")
     for fc in MLPS.get(config.mlp_class_name, ()):
         rules[block + f"mlp.{fc}"] = Linear("z")
     rules[block + "mlp.proj"] = Linear("y")
     rules["transformer.ln_f"] = Norm("z")
     rules["lm_head"] = LMHead()
-    return Plan(rules, checkpoint=("transformer.h.*",), validate=check_litgpt, prepare=use_grid_attention,
-                before_forward=check_call)
+    return Plan(
+        rules,
+        checkpoint=("transformer.h.*",),
+        validate=check_litgpt,
+        prepare=use_grid_attention,
+        before_forward=check_call,
+    )
 
 
 def register_builtin_plan() -> None:

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from ..ops.packed_elementwise import rotate
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device=None, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device=None, dtype=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each ``[seq_len, head_dim]``, for the rotate-half RoPE convention (Llama / HF)."""
     dtype = torch.promote_types(dtype, torch.float32)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
@@ -38,6 +40,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """Causal self-attention of ``q`` ``[b, s, heads, head_dim]`` and ``k, v`` ``[b, s, kv_heads, head_dim]``
     → ``[b, s, heads·head_dim]``. With fewer key/value heads (grouped-query attention), query head
     ``i`` attends with key/value head ``i // (heads / kv_heads)``."""
-    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                       enable_gqa=q.shape[-2] != k.shape[-2])
+    y = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=True,
+        enable_gqa=q.shape[-2] != k.shape[-2],
+    )
     return y.transpose(1, 2).flatten(-2)

@@ -59,8 +59,19 @@ class GPTConfig:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.ffn_hidden is None:
-            self.ffn_hidden = 4 * self.n_embd if self.style == "gpt2" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "vocab_multiple"):
+            self.ffn_hidden = (
+                4 * self.n_embd if self.style == "gpt2" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
+            )
+        for name in (
+            "vocab_size",
+            "block_size",
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "n_embd",
+            "ffn_hidden",
+            "vocab_multiple",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
@@ -74,7 +85,9 @@ class GPTConfig:
                 f"serves the same number of query heads; pick n_kv_head among the divisors of {self.n_head}"
             )
         if self.style == "llama" and self.head_dim % 2:
-            raise ValueError(f"GPTConfig: RoPE needs an even head dim, got n_embd/n_head = {self.head_dim}; change n_embd or n_head")
+            raise ValueError(
+                f"GPTConfig: RoPE needs an even head dim, got n_embd/n_head = {self.head_dim}; change n_embd or n_head"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
 

@@ -75,16 +75,25 @@ class DenseAttention(nn.Module):
         super().__init__()
         h = config.n_embd
         self.head_dim, self.queries_per_kv = config.head_dim, config.queries_per_kv
-        self.c_attn = nn.Linear(h, (config.queries_per_kv + 2) * config.n_kv_head * config.head_dim, bias=config.bias, **factory)
+        self.c_attn = nn.Linear(
+            h, (config.queries_per_kv + 2) * config.n_kv_head * config.head_dim, bias=config.bias, **factory
+        )
         self.c_proj = nn.Linear(h, h, bias=config.bias, **factory)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        return self.resid_dropout(self.c_proj(packed_attention(self.c_attn, x, self.queries_per_kv, self.head_dim, rope)))
+        return self.resid_dropout(
+            self.c_proj(packed_attention(self.c_attn, x, self.queries_per_kv, self.head_dim, rope))
+        )
 
 
-def packed_attention(qkv: nn.Module, x: torch.Tensor, queries_per_kv: int, head_dim: int,
-                     rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def packed_attention(
+    qkv: nn.Module,
+    x: torch.Tensor,
+    queries_per_kv: int,
+    head_dim: int,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Causal self-attention of the heads that the packed projection ``qkv`` makes of ``x``.
 
     ``qkv(x)`` is ``[b, s, (r + 2)·n]`` as :class:`DenseAttention`'s ``c_attn`` lays it out: ``r =
@@ -122,7 +131,11 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         (gate_up,) = output_groups(self.c_fc, x, (self.groups,))  # [..., P, groups, ffn/P]
-        hidden = packed_swiglu(gate_up) if self.style == "llama" else mlp_activation(self.style, gate_up.squeeze(-2))
+        hidden = (
+            packed_swiglu(gate_up)
+            if self.style == "llama"
+            else mlp_activation(self.style, gate_up.squeeze(-2))
+        )
         return self.dropout(self.c_proj(hidden.flatten(-2)))
 
 
@@ -186,6 +199,10 @@ class DenseGPT(nn.Module):
             return logits
         return self.loss(logits.flatten(0, -2), targets.flatten())
 
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` ``[b, s]`` (see :func:`generate_tokens`)."""
-        return generate_tokens(lambda i: self(i)[:, -1], idx, max_new_tokens, self.config.block_size, temperature, top_k)
+        return generate_tokens(
+            lambda i: self(i)[:, -1], idx, max_new_tokens, self.config.block_size, temperature, top_k
+        )

@@ -7,7 +7,8 @@ transposed to ``nn.Linear``'s ``[out, in]``; its causal-mask buffers are dropped
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -36,21 +37,34 @@ def gpt_config_from_hf(hf_config: Any, **overrides) -> GPTConfig:
     c = _as_dict(hf_config)
     act = c.get("activation_function", "gelu_new")
     if act not in TANH_GELUS:
-        raise ValueError(f"GPT2Config.activation_function={act!r}: GPT3D's gpt2 style uses the tanh GELU {TANH_GELUS}")
+        raise ValueError(
+            f"GPT2Config.activation_function={act!r}: GPT3D's gpt2 style uses the tanh GELU {TANH_GELUS}"
+        )
     if c.get("scale_attn_by_inverse_layer_idx", False) or not c.get("scale_attn_weights", True):
-        raise ValueError("GPT2Config: GPT3D scales attention by 1/sqrt(head_dim) only; set scale_attn_weights=True, "
-                         "scale_attn_by_inverse_layer_idx=False")
+        raise ValueError(
+            "GPT2Config: GPT3D scales attention by 1/sqrt(head_dim) only; set scale_attn_weights=True, "
+            "scale_attn_by_inverse_layer_idx=False"
+        )
     fields = dict(
-        vocab_size=c["vocab_size"], block_size=c["n_positions"], n_layer=c["n_layer"], n_head=c["n_head"],
-        n_embd=c["n_embd"], dropout=c.get("resid_pdrop", 0.0), bias=True,
-        tie_embeddings=c.get("tie_word_embeddings", True), style="gpt2",
-        ffn_hidden=c.get("n_inner") or 4 * c["n_embd"], norm_eps=c.get("layer_norm_epsilon", 1e-5),
+        vocab_size=c["vocab_size"],
+        block_size=c["n_positions"],
+        n_layer=c["n_layer"],
+        n_head=c["n_head"],
+        n_embd=c["n_embd"],
+        dropout=c.get("resid_pdrop", 0.0),
+        bias=True,
+        tie_embeddings=c.get("tie_word_embeddings", True),
+        style="gpt2",
+        ffn_hidden=c.get("n_inner") or 4 * c["n_embd"],
+        norm_eps=c.get("layer_norm_epsilon", 1e-5),
     )
     fields.update(overrides)
     return GPTConfig(**fields)
 
 
-def dense_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], tie_embeddings: bool = True) -> dict[str, torch.Tensor]:
+def dense_state_dict_from_hf(
+    hf_state_dict: Mapping[str, torch.Tensor], tie_embeddings: bool = True
+) -> dict[str, torch.Tensor]:
     """``GPT2LMHeadModel.state_dict()`` → ``DenseGPT.state_dict()`` (load it with ``load_dense_state_dict``).
 
     A tied head's ``lm_head.weight`` is the token embedding, whether or not the HF state dict lists it.
@@ -60,7 +74,9 @@ def dense_state_dict_from_hf(hf_state_dict: Mapping[str, torch.Tensor], tie_embe
         if key.endswith(MASK_BUFFERS) or key == "lm_head.weight":
             continue
         out[key] = t.t().contiguous() if key.endswith(CONV1D_WEIGHTS) else t
-    out["lm_head.weight"] = out["transformer.wte.weight"] if tie_embeddings else hf_state_dict["lm_head.weight"]
+    out["lm_head.weight"] = (
+        out["transformer.wte.weight"] if tie_embeddings else hf_state_dict["lm_head.weight"]
+    )
     return out
 
 

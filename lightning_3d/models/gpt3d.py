@@ -20,8 +20,23 @@ from ..agreement import agree_on_first_call
 from ..grid import Grid
 from ..layout import gather_activation
 from ..options import RuntimeOptions
-from ..parallel import Dropout, Linear, LMHead, Loss, Norm, Plan, PositionEmbedding, Rule, VocabEmbedding, parallelize, register_plan
-from ..parallel import dense_state_dict, grid_of, load_dense_state_dict, options_of
+from ..parallel import (
+    Dropout,
+    Linear,
+    LMHead,
+    Loss,
+    Norm,
+    Plan,
+    PositionEmbedding,
+    Rule,
+    VocabEmbedding,
+    dense_state_dict,
+    grid_of,
+    load_dense_state_dict,
+    options_of,
+    parallelize,
+    register_plan,
+)
 from ..runtime import check_token_range
 from .config import GPTConfig
 from .dense import DenseGPT
@@ -68,10 +83,14 @@ def gpt_plan(config: GPTConfig, options: RuntimeOptions | None = None) -> Plan:
         agree_on_first_call(model, grid.group("cube"), "GPT3D input", idx=idx, targets=targets)
         check_tokens(idx, config, grid)
         if targets is not None and targets.shape != idx.shape:
-            raise ValueError(f"GPT3D: targets {list(targets.shape)} must have the shape of idx {list(idx.shape)}")
+            raise ValueError(
+                f"GPT3D: targets {list(targets.shape)} must have the shape of idx {list(idx.shape)}"
+            )
         runtime = model.loss.runtime  # the model's, which every 3-D layer holds
         if targets is not None and runtime.options.check_inputs:  # at the forward's start: read at its end
-            check_token_range(targets, config.vocab_size, "GPT3D", "target", model.loss.ignore_index, runtime.token_checks)
+            check_token_range(
+                targets, config.vocab_size, "GPT3D", "target", model.loss.ignore_index, runtime.token_checks
+            )
 
     return Plan(
         rules,
@@ -104,8 +123,15 @@ class GPT3D(DenseGPT):
         ValueError: a size of ``config`` does not split on the grid (see :func:`check_grid`).
     """
 
-    def __init__(self, config: GPTConfig, grid: Grid | None = None, *, device=None, dtype=None,
-                 options: RuntimeOptions | None = None):
+    def __init__(
+        self,
+        config: GPTConfig,
+        grid: Grid | None = None,
+        *,
+        device=None,
+        dtype=None,
+        options: RuntimeOptions | None = None,
+    ):
         super().__init__(config, device="meta", dtype=dtype)
         parallelize(self, gpt_plan(config), grid=grid, options=options, device=device)
 
@@ -130,7 +156,9 @@ class GPT3D(DenseGPT):
         load_dense_state_dict(self, state_dict, strict)
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
         """Append ``max_new_tokens`` sampled tokens to ``idx`` ``[b, s]``; every cube rank returns the same tokens.
 
         Any batch works (it is padded with copies to a multiple the grid needs). Each step gathers
@@ -146,7 +174,9 @@ class GPT3D(DenseGPT):
             last = self(ids)[:, -1]  # y-layout [b/(px·pz), V'/py]
             return gather_activation(last, "y", grid)[:b, : self.config.vocab_size]
 
-        return generate_tokens(next_logits, idx, max_new_tokens, self.config.block_size, temperature, top_k, self._agree)
+        return generate_tokens(
+            next_logits, idx, max_new_tokens, self.config.block_size, temperature, top_k, self._agree
+        )
 
     def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
         """Cube rank 0's ``tokens`` on every cube rank."""

@@ -25,8 +25,20 @@ def check_grid(config: GPTConfig, grid: Grid) -> None:
     if config.n_kv_head == config.n_head:
         _require(config.n_head, py, "n_head", "py (each y rank attends with whole heads)", grid)
     else:
-        _require(config.n_kv_head, py, "n_kv_head", "py (each y rank attends with whole key/value heads and their query heads)", grid)
-        _require(config.n_kv_head * config.head_dim, px * py, "n_kv_head·head_dim", "px·py (rows of each slot of c_attn)", grid)
+        _require(
+            config.n_kv_head,
+            py,
+            "n_kv_head",
+            "py (each y rank attends with whole key/value heads and their query heads)",
+            grid,
+        )
+        _require(
+            config.n_kv_head * config.head_dim,
+            px * py,
+            "n_kv_head·head_dim",
+            "px·py (rows of each slot of c_attn)",
+            grid,
+        )
     _require(config.n_embd, px * py, "n_embd", "px·py (rows of the z→y weights c_attn, c_fc)", grid)
     _require(config.n_embd, px * pz, "n_embd", "px·pz (rows of the y→z weights c_proj)", grid)
     _require(config.ffn_hidden, px * py, "ffn_hidden", "px·py (rows of the MLP's c_fc)", grid)
@@ -41,7 +53,9 @@ def batch_multiple(grid: Grid) -> int:
 def check_tokens(idx: torch.Tensor, config: GPTConfig, grid: Grid, what: str = "idx") -> None:
     """``idx`` is ``[batch, seq]`` integer ids with a batch that splits on ``grid`` and ``seq <= block_size``."""
     if idx.dim() != 2 or idx.is_floating_point() or idx.is_complex():
-        raise ValueError(f"GPT3D: {what} must be integer token ids [batch, seq], got {idx.dtype} of shape {list(idx.shape)}")
+        raise ValueError(
+            f"GPT3D: {what} must be integer token ids [batch, seq], got {idx.dtype} of shape {list(idx.shape)}"
+        )
     check_sequence(idx.shape[1], config)
     px, py, pz = grid.shape
     b, m = idx.shape[0], batch_multiple(grid)

@@ -40,22 +40,30 @@ def check_available(device_type: str, cube_size: int, axes_across_nodes: tuple[s
     CUDA or CPU, no symmetric memory in this torch, or a CUDA cube whose ``axes_across_nodes``
     (of x, y, z) span nodes (its ranks must map each other's memory)."""
     if device_type not in ("cuda", "cpu"):
-        raise ValueError(f"async_tp=True runs on 'cuda' or 'cpu' grids, not {device_type!r}: pass async_tp=False")
+        raise ValueError(
+            f"async_tp=True runs on 'cuda' or 'cpu' grids, not {device_type!r}: pass async_tp=False"
+        )
     if device_type == "cuda":
         try:
             import torch.distributed._symmetric_memory as symm_mem
         except ImportError as e:
-            raise ValueError(f"async_tp=True needs torch.distributed._symmetric_memory, missing from torch {torch.__version__}: "
-                             "pass async_tp=False or upgrade torch") from e
+            raise ValueError(
+                f"async_tp=True needs torch.distributed._symmetric_memory, missing from torch {torch.__version__}: "
+                "pass async_tp=False or upgrade torch"
+            ) from e
         missing = [name for name in PIPELINES if not hasattr(symm_mem, name)]
         if missing:
-            raise ValueError(f"async_tp=True needs PyTorch's symmetric-memory pipelines {missing}, missing from torch "
-                             f"{torch.__version__}: pass async_tp=False")
+            raise ValueError(
+                f"async_tp=True needs PyTorch's symmetric-memory pipelines {missing}, missing from torch "
+                f"{torch.__version__}: pass async_tp=False"
+            )
         spanning = [a for a in axes_across_nodes if a in ("x", "y", "z")]
         if spanning:
-            raise ValueError(f"async_tp=True needs every cube of px·py·pz = {cube_size} ranks on one node (one NVLink domain), "
-                             f"but the cube's {'+'.join(spanning)} groups span nodes: use a grid whose px·py·pz divides the "
-                             "ranks per node, or pass async_tp=False")
+            raise ValueError(
+                f"async_tp=True needs every cube of px·py·pz = {cube_size} ranks on one node (one NVLink domain), "
+                f"but the cube's {'+'.join(spanning)} groups span nodes: use a grid whose px·py·pz divides the "
+                "ranks per node, or pass async_tp=False"
+            )
 
 
 _enabled: set[str] = set()
@@ -102,7 +110,9 @@ def _produce_and_exchange(produce, received: torch.Tensor, group: dist.ProcessGr
     dist.all_to_all_single(received, produced, group=group)
 
 
-def _mm_into(form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+def _mm_into(
+    form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+) -> None:
     """``out = a ⊗ b (+ bias)`` for 2-D ``a``; ``b`` is ``[k, n]`` (``"ab"``) or ``[n, k]`` (``"abt"``)."""
     b = b if form == "ab" else b.t()
     if bias is None:
@@ -115,8 +125,9 @@ def _out_features(form: str, b: torch.Tensor) -> int:
     return b.shape[1] if form == "ab" else b.shape[0]
 
 
-def all_gather_matmul(form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                      group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+def all_gather_matmul(
+    form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A, A ⊗ b + bias)`` with ``A = all_gather_dim0(a, group)``.
 
     ``a`` ``[m, ..., k]`` → ``A`` ``[m·g, ..., k]`` and the product ``[m·g, ..., n]``.
@@ -135,15 +146,18 @@ def all_gather_matmul(form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.T
     return gathered.view(lead + (a.shape[-1],)), product.view(lead + (n,))
 
 
-def matmul_reduce_scatter(form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-                          group: dist.ProcessGroup) -> torch.Tensor:
+def matmul_reduce_scatter(
+    form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup
+) -> torch.Tensor:
     """``reduce_scatter_dim0(a ⊗ b + bias, group)``: ``a`` ``[m·g, ..., k]`` → ``[m, ..., n]``.
 
     Pass ``bias`` on one rank of the group only: every rank's product is summed.
     """
     g = group.size()
     if a.shape[0] % g:
-        raise ValueError(f"cannot reduce-scatter dim 0 of size {a.shape[0]} over {g} ranks: {a.shape[0]} % {g} != 0")
+        raise ValueError(
+            f"cannot reduce-scatter dim 0 of size {a.shape[0]} over {g} ranks: {a.shape[0]} % {g} != 0"
+        )
     rows = a.reshape(-1, a.shape[-1])
     row_blocks = rows.chunk(g)
     n = _out_features(form, b)

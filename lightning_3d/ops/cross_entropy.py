@@ -12,7 +12,8 @@ one kernel that writes the logits' gradient in their dtype.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,9 @@ def _sums_keep_exp(logits: torch.Tensor, row_max: torch.Tensor, local: torch.Ten
     (0 where the target lies in another block); ``kept`` = ``exp(x − max)`` in fp32 for backward."""
     x = logits.to(row_max.dtype)
     target = torch.gather(x, -1, local.unsqueeze(-1)).squeeze(-1) * hit
-    exp = (x - row_max if x is logits else x.sub_(row_max)).exp_()  # the cast's copy reused: one fp32 block, not three
+    exp = (
+        x - row_max if x is logits else x.sub_(row_max)
+    ).exp_()  # the cast's copy reused: one fp32 block, not three
     return torch.stack([exp.sum(-1), target]), exp
 
 
@@ -101,13 +104,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         kept, row_max, sum_exp, local, onehot_rows, valid, count = ctx.saved_tensors
-        g = ctx.math.grad(kept, row_max, sum_exp, local, onehot_rows, valid * (grad / count), ctx.logits_dtype)
+        g = ctx.math.grad(
+            kept, row_max, sum_exp, local, onehot_rows, valid * (grad / count), ctx.logits_dtype
+        )
         return g, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, grid: Grid | None = None,
-    vocab_size: int | None = None, check_targets: bool = True, compiled: bool = False,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    grid: Grid | None = None,
+    vocab_size: int | None = None,
+    check_targets: bool = True,
+    compiled: bool = False,
     deferred: DeferredTokenChecks | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy over the cube's whole batch from y-layout logits and full targets.
@@ -138,12 +148,23 @@ def vocab_parallel_cross_entropy(
         )
     padded = logits.shape[-1] * grid.size(layout.feature_axis)
     if check_targets:
-        check_token_range(targets, padded if vocab_size is None else vocab_size, "vocab_parallel_cross_entropy", "target", ignore_index,
-                          deferred)
+        check_token_range(
+            targets,
+            padded if vocab_size is None else vocab_size,
+            "vocab_parallel_cross_entropy",
+            "target",
+            ignore_index,
+            deferred,
+        )
     block = grid.rank_in(rows)
     targets = targets[block * b_local : (block + 1) * b_local]
     vocab_start = grid.coord(layout.feature_axis) * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(
-        logits, targets, vocab_start, ignore_index, grid.group(layout.feature_axis), grid.group(rows),
+        logits,
+        targets,
+        vocab_start,
+        ignore_index,
+        grid.group(layout.feature_axis),
+        grid.group(rows),
         _compiled() if compiled else _EAGER,
     )

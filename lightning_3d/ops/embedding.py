@@ -26,7 +26,9 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         hit = (local >= 0) & (local < w_block.shape[0])
         local = torch.where(hit, local, torch.zeros_like(local))
         out = torch.nn.functional.embedding(local, w_block) * hit.unsqueeze(-1).to(w_block.dtype)
-        learns = hit if padding_idx is None else hit & (ids != padding_idx)  # the lookups that pass a gradient
+        learns = (
+            hit if padding_idx is None else hit & (ids != padding_idx)
+        )  # the lookups that pass a gradient
         ctx.save_for_backward(local, learns)
         ctx.weight_shape, ctx.group_x, ctx.group_y = w_block.shape, group_x, group_y
         ctx.reduce_dtype = autocast_dtype(weight) or weight.dtype
@@ -45,8 +47,14 @@ class _VocabParallelEmbedding(torch.autograd.Function):
         return None, w_grad.to(grad_full.dtype), None, None, None, None
 
 
-def vocab_parallel_embedding(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, group_x, group_y,
-                             padding_idx: int | None = None) -> torch.Tensor:
+def vocab_parallel_embedding(
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+    vocab_start: int,
+    group_x,
+    group_y,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
     """Look up ``ids`` ``[b/px, s]`` (this x block's sequences) in the sharded ``weight``.
 
     ``vocab_start`` is the first token id of this rank's y vocab block (``j · V/py``); lookups of

@@ -38,10 +38,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
-from . import async_tp
 from ..grid import Grid, resolve_grid
 from ..options import RuntimeOptions
 from ..runtime import MatmulSchedule, Runtime, WeightGradsAtEnd, runtime_named
+from . import async_tp
 
 
 def _mm(form: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,7 +91,9 @@ def _prefetched(schedule: MatmulSchedule, runtime: Runtime, forward: bool):
     return runtime.prefetch.gather_in(forward)
 
 
-def _forward(schedule: MatmulSchedule, runtime: Runtime, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None):
+def _forward(
+    schedule: MatmulSchedule, runtime: Runtime, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+):
     """``(C, A kept for backward, B kept for backward)``. Gathers A and B together (B through the
     model's prefetch when it is a parameter), multiplies, reduce-scatters C; the bias joins the
     partial product of one rank of C's group, since the reduce-scatter sums over that group.
@@ -112,8 +114,15 @@ def _forward(schedule: MatmulSchedule, runtime: Runtime, a: torch.Tensor, b: tor
     return c, a_full if schedule.save_gathered else a, kept_b
 
 
-def _backward(schedule: MatmulSchedule, runtime: Runtime, grad_c: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-              needs: tuple[bool, bool, bool], weight: torch.Tensor | None = None):
+def _backward(
+    schedule: MatmulSchedule,
+    runtime: Runtime,
+    grad_c: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    needs: tuple[bool, bool, bool],
+    weight: torch.Tensor | None = None,
+):
     """``(dA, dB, dbias)`` in the layouts of A, B and the bias (None where ``needs`` is false),
     from A and B as :func:`_forward` kept them. Gradients come in the dtype products run in.
     With ``schedule.grads_at_end``, dB is left for ``weight``'s node (the model's
@@ -122,7 +131,9 @@ def _backward(schedule: MatmulSchedule, runtime: Runtime, grad_c: torch.Tensor, 
     # dA's first operand is dC in forms "ab" and "abt": its gather can be fused into dA's product
     form_a, (first_a, _) = _BACKWARD[schedule.form][0]
     fuse_gather = needs[0] and first_a == 2 and _fused(schedule, form_a, 2)
-    dc_full, wait_c = (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(grad_c, group_c, async_op=True)
+    dc_full, wait_c = (
+        (None, comm.DONE) if fuse_gather else comm.all_gather_dim0(grad_c, group_c, async_op=True)
+    )
     waits = [comm.DONE, comm.DONE]
     if schedule.save_gathered:
         b = _cast(b, schedule.cast)  # a no-op unless B is kept as the parameter
@@ -133,8 +144,10 @@ def _backward(schedule: MatmulSchedule, runtime: Runtime, grad_c: torch.Tensor, 
     operands = [a, b, None if fuse_gather else dc_full.to(a.dtype)]
     # the reduce-scatter of gradient k sends (|group_k| - 1)/|group_k| of its product: run the
     # larger first; a fused gather of dC runs first, since the other product reads dC
-    moved = [a.numel() * (schedule.sizes[0] - 1) if needs[0] else -1,
-             b.numel() * (schedule.sizes[1] - 1) if needs[1] else -1]
+    moved = [
+        a.numel() * (schedule.sizes[0] - 1) if needs[0] else -1,
+        b.numel() * (schedule.sizes[1] - 1) if needs[1] else -1,
+    ]
     if fuse_gather:
         moved[0] = float("inf")
     grads, scatters = [None, None], []
@@ -142,14 +155,19 @@ def _backward(schedule: MatmulSchedule, runtime: Runtime, grad_c: torch.Tensor, 
         form, (x, y) = _BACKWARD[schedule.form][k]
         waits[1 - k].wait()  # dA reads B, dB reads A
         if k == 0 and fuse_gather:
-            operands[2], product = async_tp.all_gather_matmul(form, grad_c.to(a.dtype), operands[y], None, group_c)
+            operands[2], product = async_tp.all_gather_matmul(
+                form, grad_c.to(a.dtype), operands[y], None, group_c
+            )
             grads[0], done = comm.reduce_scatter_dim0(product, group_a, async_op=True)
         elif k == 1 and schedule.grads_at_end:
-            runtime.late_grads.scatter_at_end(_mm(form, operands[x], operands[y]), schedule.groups[1], weight,
-                                              schedule.grads_together)
+            runtime.late_grads.scatter_at_end(
+                _mm(form, operands[x], operands[y]), schedule.groups[1], weight, schedule.grads_together
+            )
             continue
         else:
-            grads[k], done = _product_scatter(schedule, form, operands[x], operands[y], None, k, async_op=True)
+            grads[k], done = _product_scatter(
+                schedule, form, operands[x], operands[y], None, k, async_op=True
+            )
         scatters.append(done)
     dc_full = operands[2]  # the bias's gradient sums C's whole group: dC as gathered over it
     grad_bias = dc_full.sum(tuple(range(dc_full.dim() - 1))) if needs[2] else None
@@ -183,8 +201,14 @@ class _Matmul3D(torch.autograd.Function):
     """The eager 3-D product: :func:`_forward` and :func:`_backward` under autograd."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, schedule: MatmulSchedule,
-                runtime: Runtime) -> torch.Tensor:
+    def forward(
+        ctx,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        bias: torch.Tensor | None,
+        schedule: MatmulSchedule,
+        runtime: Runtime,
+    ) -> torch.Tensor:
         ctx.schedule, ctx.runtime = schedule, runtime
         ctx.dtypes = (a.dtype, b.dtype, None if bias is None else bias.dtype)
         c, kept_a, kept_b = _forward(schedule, runtime, a, b, bias)
@@ -206,16 +230,22 @@ class _Matmul3D(torch.autograd.Function):
 # adds checks and wrappers to every call, which the host pays twice per product and step). The
 # backward op has no derivative of its own: there is no double backward.
 
-_SCHEDULE = ("str form, str[] groups, int[] sizes, bool save_gathered, ScalarType? cast, bool b_is_parameter, "
-             "bool grads_at_end, int grads_together, bool async_tp, str runtime")
+_SCHEDULE = (
+    "str form, str[] groups, int[] sizes, bool save_gathered, ScalarType? cast, bool b_is_parameter, "
+    "bool grads_at_end, int grads_together, bool async_tp, str runtime"
+)
 _LIBRARY = torch.library.Library("lightning_3d", "FRAGMENT")
 _LIBRARY.define(f"matmul3d(Tensor a, Tensor b, Tensor? bias, {_SCHEDULE}) -> (Tensor, Tensor, Tensor)")
 _LIBRARY.define(f"gathered_weight(Tensor b, {_SCHEDULE}) -> Tensor")
-_LIBRARY.define(f"gathered_product_backward(Tensor grad_c, Tensor a, Tensor b_full, Tensor weight, bool need_b, {_SCHEDULE}) "
-                "-> (Tensor, Tensor)")
-_LIBRARY.define("matmul3d_backward(Tensor grad_c, Tensor kept_a, Tensor kept_b, Tensor weight, SymInt[] shapes, "
-                f"ScalarType dtype_a, ScalarType dtype_b, ScalarType dtype_bias, bool[] needs, {_SCHEDULE}) "
-                "-> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(
+    f"gathered_product_backward(Tensor grad_c, Tensor a, Tensor b_full, Tensor weight, bool need_b, {_SCHEDULE}) "
+    "-> (Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "matmul3d_backward(Tensor grad_c, Tensor kept_a, Tensor kept_b, Tensor weight, SymInt[] shapes, "
+    f"ScalarType dtype_a, ScalarType dtype_b, ScalarType dtype_bias, bool[] needs, {_SCHEDULE}) "
+    "-> (Tensor, Tensor, Tensor)"
+)
 
 
 def _op_args(schedule: MatmulSchedule, runtime: Runtime) -> tuple:
@@ -242,8 +272,11 @@ def _kept_as_given(schedule: MatmulSchedule, k: int, dtype: torch.dtype) -> bool
 def _matmul3d_kernel(a, b, bias, *args):
     schedule = _schedule_of(*args[:-1])
     c, kept_a, kept_b = _forward(schedule, runtime_named(args[-1]), a, b, bias)
-    return (c, c.new_empty(0) if _kept_as_given(schedule, 0, a.dtype) else kept_a,
-            c.new_empty(0) if _kept_as_given(schedule, 1, b.dtype) else kept_b)
+    return (
+        c,
+        c.new_empty(0) if _kept_as_given(schedule, 0, a.dtype) else kept_a,
+        c.new_empty(0) if _kept_as_given(schedule, 1, b.dtype) else kept_b,
+    )
 
 
 def _matmul3d_fake(a, b, bias, *args):
@@ -253,48 +286,81 @@ def _matmul3d_fake(a, b, bias, *args):
     c_full = _mm(schedule.form, *full)
     c = c_full.new_empty([c_full.shape[0] // schedule.sizes[2], *c_full.shape[1:]])
     kept = full if schedule.save_gathered else local
-    return (c, *(c.new_empty(0) if _kept_as_given(schedule, k, t.dtype) else kept[k] for k, t in enumerate((a, b))))
+    return (
+        c,
+        *(c.new_empty(0) if _kept_as_given(schedule, k, t.dtype) else kept[k] for k, t in enumerate((a, b))),
+    )
 
 
-def _matmul3d_backward_kernel(grad_c, kept_a, kept_b, weight, shapes, dtype_a, dtype_b, dtype_bias, needs, *args):
-    grads = _backward(_schedule_of(*args[:-1]), runtime_named(args[-1]), grad_c, kept_a, kept_b, tuple(needs), weight)
-    return tuple(g if g is not None else grad_c.new_empty(0) for g in _as_dtypes(grads, (dtype_a, dtype_b, dtype_bias)))
+def _matmul3d_backward_kernel(
+    grad_c, kept_a, kept_b, weight, shapes, dtype_a, dtype_b, dtype_bias, needs, *args
+):
+    grads = _backward(
+        _schedule_of(*args[:-1]), runtime_named(args[-1]), grad_c, kept_a, kept_b, tuple(needs), weight
+    )
+    return tuple(
+        g if g is not None else grad_c.new_empty(0) for g in _as_dtypes(grads, (dtype_a, dtype_b, dtype_bias))
+    )
 
 
-def _matmul3d_backward_fake(grad_c, kept_a, kept_b, weight, shapes, dtype_a, dtype_b, dtype_bias, needs, *args):
+def _matmul3d_backward_fake(
+    grad_c, kept_a, kept_b, weight, shapes, dtype_a, dtype_b, dtype_bias, needs, *args
+):
     a_shape, b_shape = _split_shapes(shapes)
     needs = [needs[0], needs[1] and not _schedule_of(*args[:-1], resolve=False).grads_at_end, needs[2]]
-    return tuple(grad_c.new_empty(shape if need else [0], dtype=dtype)
-                 for shape, dtype, need in zip((a_shape, b_shape, [grad_c.shape[-1]]), (dtype_a, dtype_b, dtype_bias), needs))
+    return tuple(
+        grad_c.new_empty(shape if need else [0], dtype=dtype)
+        for shape, dtype, need in zip(
+            (a_shape, b_shape, [grad_c.shape[-1]]), (dtype_a, dtype_b, dtype_bias), needs
+        )
+    )
 
 
 def _split_shapes(shapes: list) -> tuple[list, list]:
     """``[rank of A, *A's shape, *B's shape]`` → (A's shape, B's shape): one integer list, as ops take."""
     rank = shapes[0]
-    return list(shapes[1:rank + 1]), list(shapes[rank + 1:])
+    return list(shapes[1 : rank + 1]), list(shapes[rank + 1 :])
 
 
 def _setup_context(ctx, inputs, output) -> None:
     a, b, bias, *args = inputs
     schedule = _schedule_of(*args[:-1], resolve=False)
-    kept = [given if _kept_as_given(schedule, k, given.dtype) else made
-            for k, (given, made) in enumerate(zip((a, b), output[1:]))]
+    kept = [
+        given if _kept_as_given(schedule, k, given.dtype) else made
+        for k, (given, made) in enumerate(zip((a, b), output[1:]))
+    ]
     # the weight itself (no memory: a parameter's view) for a gradient left for the end; saved for
     # every parameter, so that a checkpointed block, recomputed outside the forward's hand-out,
     # saves as many tensors
     ctx.save_for_backward(*kept, b if schedule.b_is_parameter else None)
     ctx.grads_at_end = schedule.grads_at_end
     ctx.shapes = [a.dim(), *a.shape, *b.shape]
-    ctx.dtypes = (a.dtype, b.dtype, a.dtype if bias is None else bias.dtype)  # the bias's is unused without one
+    ctx.dtypes = (
+        a.dtype,
+        b.dtype,
+        a.dtype if bias is None else bias.dtype,
+    )  # the bias's is unused without one
     ctx.args = args
 
 
 def _op_backward(ctx, grad_c, _grad_kept_a, _grad_kept_b):
     needs = list(ctx.needs_input_grad[:3])
     kept_a, kept_b, weight = ctx.saved_tensors
-    grads = torch.ops.lightning_3d.matmul3d_backward(grad_c, kept_a, kept_b, grad_c.new_empty(0) if weight is None else weight,
-                                                     ctx.shapes, *ctx.dtypes, needs, *ctx.args)
-    given = [needs[0], needs[1] and not ctx.grads_at_end, needs[2]]  # a gradient left for the end is given there
+    grads = torch.ops.lightning_3d.matmul3d_backward(
+        grad_c,
+        kept_a,
+        kept_b,
+        grad_c.new_empty(0) if weight is None else weight,
+        ctx.shapes,
+        *ctx.dtypes,
+        needs,
+        *ctx.args,
+    )
+    given = [
+        needs[0],
+        needs[1] and not ctx.grads_at_end,
+        needs[2],
+    ]  # a gradient left for the end is given there
     return (*(g if give else None for g, give in zip(grads, given)), *(None for _ in ctx.args))
 
 
@@ -307,8 +373,13 @@ def _op_backward(ctx, grad_c, _grad_kept_a, _grad_kept_b):
 def _gathers_b_only(schedule: MatmulSchedule) -> bool:
     """Whether the compiled product is :class:`_GatheredProduct`: form ``abt``, only B's group larger
     than one, B a parameter kept gathered, no collective matmuls."""
-    return (schedule.form == "abt" and schedule.sizes[0] == schedule.sizes[2] == 1 < schedule.sizes[1]
-            and schedule.b_is_parameter and schedule.save_gathered and not schedule.async_tp)
+    return (
+        schedule.form == "abt"
+        and schedule.sizes[0] == schedule.sizes[2] == 1 < schedule.sizes[1]
+        and schedule.b_is_parameter
+        and schedule.save_gathered
+        and not schedule.async_tp
+    )
 
 
 class _GatheredProduct(torch.autograd.Function):
@@ -317,7 +388,9 @@ class _GatheredProduct(torch.autograd.Function):
     ``args``: the schedule and the runtime as the ops take them (:func:`_op_args`)."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, grads_at_end: bool, *args) -> torch.Tensor:
+    def forward(
+        ctx, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, grads_at_end: bool, *args
+    ) -> torch.Tensor:
         b_full = torch.ops.lightning_3d.gathered_weight(b, *args)
         ctx.save_for_backward(a, b_full, b)  # b: the weight itself, a parameter's view (no memory)
         ctx.args, ctx.grads_at_end, ctx.has_bias = args, grads_at_end, bias is not None
@@ -326,8 +399,9 @@ class _GatheredProduct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_c: torch.Tensor):
         a, b_full, weight = ctx.saved_tensors
-        grad_a, grad_b = torch.ops.lightning_3d.gathered_product_backward(grad_c, a, b_full, weight, ctx.needs_input_grad[1],
-                                                                          *ctx.args)
+        grad_a, grad_b = torch.ops.lightning_3d.gathered_product_backward(
+            grad_c, a, b_full, weight, ctx.needs_input_grad[1], *ctx.args
+        )
         grad_bias = grad_c.sum(tuple(range(grad_c.dim() - 1))) if ctx.has_bias else None
         grad_b = None if ctx.grads_at_end or not ctx.needs_input_grad[1] else grad_b
         return (grad_a, grad_b, grad_bias, None, *(None for _ in ctx.args))
@@ -353,7 +427,9 @@ def _gathered_product_backward_kernel(grad_c, a, b_full, weight, need_b, *args):
     if need_b:
         grad_full = _mm("atb", grad_c, a)  # dB of form "abt" (_BACKWARD)
         if schedule.grads_at_end:
-            runtime_named(args[-1]).late_grads.scatter_at_end(grad_full, schedule.groups[1], weight, schedule.grads_together)
+            runtime_named(args[-1]).late_grads.scatter_at_end(
+                grad_full, schedule.groups[1], weight, schedule.grads_together
+            )
         else:
             grad_b = comm.reduce_scatter_dim0(grad_full, schedule.groups[1])[0].to(weight.dtype)
     return _mm("ab", grad_c, b_full), grad_b
@@ -365,21 +441,29 @@ def _gathered_product_backward_fake(grad_c, a, b_full, weight, need_b, *args):
 
 
 # the kernels run eagerly even inside compiled code: Dynamo must not trace into them
-for name, kernel, fake in (("matmul3d", _matmul3d_kernel, _matmul3d_fake),
-                           ("matmul3d_backward", _matmul3d_backward_kernel, _matmul3d_backward_fake),
-                           ("gathered_weight", _gathered_weight_kernel, _gathered_weight_fake),
-                           ("gathered_product_backward", _gathered_product_backward_kernel, _gathered_product_backward_fake)):
+for name, kernel, fake in (
+    ("matmul3d", _matmul3d_kernel, _matmul3d_fake),
+    ("matmul3d_backward", _matmul3d_backward_kernel, _matmul3d_backward_fake),
+    ("gathered_weight", _gathered_weight_kernel, _gathered_weight_fake),
+    ("gathered_product_backward", _gathered_product_backward_kernel, _gathered_product_backward_fake),
+):
     _LIBRARY.impl(name, torch.compiler.disable(kernel), "CompositeExplicitAutograd")
     torch.library.register_fake(f"lightning_3d::{name}", fake, lib=_LIBRARY)
 del name, kernel, fake
-torch.library.register_autograd("lightning_3d::matmul3d", _op_backward, setup_context=_setup_context, lib=_LIBRARY)
+torch.library.register_autograd(
+    "lightning_3d::matmul3d", _op_backward, setup_context=_setup_context, lib=_LIBRARY
+)
 
 
-def _matmul(form: str, a, b, directions, grid, runtime: Runtime | None, options: RuntimeOptions | None, bias=None) -> torch.Tensor:
+def _matmul(
+    form: str, a, b, directions, grid, runtime: Runtime | None, options: RuntimeOptions | None, bias=None
+) -> torch.Tensor:
     grid = resolve_grid(grid)
     if grid.cube_size == 1:  # nothing to gather or scatter: the plain product, under plain autograd
         return _mm(form, a, _rows(form, b), bias)
-    if isinstance(runtime, RuntimeOptions) and options is None:  # options in the runtime's place: the former spelling
+    if (
+        isinstance(runtime, RuntimeOptions) and options is None
+    ):  # options in the runtime's place: the former spelling
         runtime, options = None, runtime
     if runtime is None:
         runtime = Runtime(options)
@@ -390,8 +474,17 @@ def _matmul(form: str, a, b, directions, grid, runtime: Runtime | None, options:
     landed = WeightGradsAtEnd.landed(b) if sizes[1] > 1 else None
     cast = autocast_dtype(a)
     options = runtime.options
-    schedule = MatmulSchedule(form, groups, sizes, options.save_gathered, cast, _is_parameter(b), landed is not None,
-                              options.gathered_together, options.async_tp)
+    schedule = MatmulSchedule(
+        form,
+        groups,
+        sizes,
+        options.save_gathered,
+        cast,
+        _is_parameter(b),
+        landed is not None,
+        options.gathered_together,
+        options.async_tp,
+    )
     b = _rows(form, b if landed is None else landed)
     # A in the product's dtype before the product: compiled, the cast joins the kernel that makes A
     # (a norm), and its gradient's cast back joins the one that reads dA, instead of a pass of their own
@@ -409,8 +502,15 @@ def _rows(form: str, b: torch.Tensor) -> torch.Tensor:
     return b.flatten(0, -2) if form == "abt" and b.dim() > 2 else b
 
 
-def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, runtime: Runtime | None = None, *,
-              options: RuntimeOptions | None = None) -> torch.Tensor:
+def matmul_ab(
+    a,
+    b,
+    directions=("y", "x", "z"),
+    grid: Grid | None = None,
+    runtime: Runtime | None = None,
+    *,
+    options: RuntimeOptions | None = None,
+) -> torch.Tensor:
     """``C = A @ B``: gather A over ``directions[0]``, B over ``[1]``, reduce-scatter C over ``[2]``.
 
     ``a`` ``[m, ..., n]`` and ``b`` ``[n', k]`` are local blocks whose dim 0 is cut by the axis
@@ -427,8 +527,16 @@ def matmul_ab(a, b, directions=("y", "x", "z"), grid: Grid | None = None, runtim
     return _matmul("ab", a, b, directions, grid, runtime, options)
 
 
-def matmul_abt(a, b, directions=("y", "x", "z"), grid: Grid | None = None, runtime: Runtime | None = None,
-               bias: torch.Tensor | None = None, *, options: RuntimeOptions | None = None) -> torch.Tensor:
+def matmul_abt(
+    a,
+    b,
+    directions=("y", "x", "z"),
+    grid: Grid | None = None,
+    runtime: Runtime | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    options: RuntimeOptions | None = None,
+) -> torch.Tensor:
     """``C = A @ Bᵀ (+ bias)`` with ``b`` ``[k', n]`` (the layout of an ``nn.Linear`` weight); see :func:`matmul_ab`.
 
     ``b`` may be a stack ``[g, k', n]``, multiplied as its rows ``[g·k', n]``: pass a stacked
@@ -445,7 +553,14 @@ def matmul_abt(a, b, directions=("y", "x", "z"), grid: Grid | None = None, runti
     return _matmul("abt", a, b, directions, grid, runtime, options, bias)
 
 
-def matmul_atb(a, b, directions=("z", "y", "x"), grid: Grid | None = None, runtime: Runtime | None = None, *,
-               options: RuntimeOptions | None = None) -> torch.Tensor:
+def matmul_atb(
+    a,
+    b,
+    directions=("z", "y", "x"),
+    grid: Grid | None = None,
+    runtime: Runtime | None = None,
+    *,
+    options: RuntimeOptions | None = None,
+) -> torch.Tensor:
     """``C = Aᵀ @ B`` with ``a`` ``[m', ..., n]``, ``b`` ``[m'', ..., k]`` → ``[n/|c|, k]``; see :func:`matmul_ab`."""
     return _matmul("atb", a, b, directions, grid, runtime, options)

@@ -62,7 +62,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def _tables(rope: tuple[torch.Tensor, torch.Tensor], seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _tables(
+    rope: tuple[torch.Tensor, torch.Tensor], seq: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos, sin`` ``[s, 1, 1, 1, d]``: broadcast over ``[b, s, P, ·, ·, d]``."""
     return tuple(t[:seq].to(dtype).view(seq, 1, 1, 1, -1) for t in rope)
 
@@ -74,7 +76,10 @@ class _PackedRoPE(torch.autograd.Function):
         ctx.r, ctx.blocks = r, (qkv.shape[2], qkv.shape[4])
         c, s = _tables((cos, sin), qkv.shape[1], qkv.dtype)
         q, k, v = qkv.split([r, 1, 1], 3)
-        q, k = rotate(q.transpose(3, 4), c, s), rotate(k, c, s)  # q [b, s, P, T, r, d]: attention's head order
+        q, k = (
+            rotate(q.transpose(3, 4), c, s),
+            rotate(k, c, s),
+        )  # q [b, s, P, T, r, d]: attention's head order
         return tuple(t.flatten(2, 4) for t in (q, k, v.clone(memory_format=torch.contiguous_format)))
 
     @staticmethod
@@ -89,11 +94,15 @@ class _PackedRoPE(torch.autograd.Function):
         return torch.cat([dq, dk, dv.unflatten(2, blocks).unsqueeze(3)], 3), None, None, None
 
 
-def packed_rope(qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], queries_per_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def packed_rope(
+    qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], queries_per_kv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE of the q and k in ``qkv [b, s, P, r + 2, T, d]`` → ``q [b, s, P·T·r, d]``, ``k, v [b, s, P·T, d]``
     (contiguous), with ``rope = (cos, sin)``, each ``[≥ s, d]`` with equal halves (the rotate-half
     convention, as :func:`~lightning_3d.models.attention.rope_tables` makes them); the gradient one
     tensor of ``qkv``'s shape."""
     if qkv.dim() != 6 or qkv.shape[3] != queries_per_kv + 2:
-        raise ValueError(f"packed_rope takes [b, s, P, {queries_per_kv} + 2, T, d]; got shape {tuple(qkv.shape)}")
+        raise ValueError(
+            f"packed_rope takes [b, s, P, {queries_per_kv} + 2, T, d]; got shape {tuple(qkv.shape)}"
+        )
     return _PackedRoPE.apply(qkv, *rope, queries_per_kv)

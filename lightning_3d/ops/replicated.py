@@ -17,7 +17,7 @@ identity nor the view's, so every block shares one graph.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -48,7 +48,12 @@ class _SumGradsOverReplicas(torch.autograd.Function):
         pending, start = [], 0
         for group, count in ctx.groups:  # a fresh buffer per group: the all-reduce works in place
             span = range(start, start + count)
-            flat = torch.cat([(grads[i] if grads[i] is not None else like.new_zeros(ctx.shapes[i])).reshape(-1) for i in span])
+            flat = torch.cat(
+                [
+                    (grads[i] if grads[i] is not None else like.new_zeros(ctx.shapes[i])).reshape(-1)
+                    for i in span
+                ]
+            )
             pending.append((span, *comm.all_reduce(flat, group, async_op=True)))
             start += count
         out = [None] * len(grads)
@@ -78,8 +83,10 @@ def use_replicated_together(params, grid: Grid, grad_summed_over: str = "") -> t
         return tuple(params)
     axes = replicated_grad_axes(get_spec(present[0]), grid, grad_summed_over)
     if any(get_spec(p).replicated_axes != get_spec(present[0]).replicated_axes for p in present):
-        raise ValueError("use_replicated_together needs parameters replicated over the same axes: "
-                         + ", ".join(repr(get_spec(p).replicated_axes) for p in present))
+        raise ValueError(
+            "use_replicated_together needs parameters replicated over the same axes: "
+            + ", ".join(repr(get_spec(p).replicated_axes) for p in present)
+        )
     if not axes:
         return tuple(params)
     held = [(getattr(p, _VIEWS, None) or {}).get(axes) for p in present]
@@ -132,7 +139,9 @@ class ReplicatedGradsAtOnce:
             return {}
         keys = sorted(by_group, key=str)  # the same order on every rank
         groups = tuple((self.grid.group(axes), len(by_group[axes, dtype])) for axes, dtype in keys)
-        views = iter(_SumGradsOverReplicas.apply(groups, *(p for key in keys for p in by_group[key].values())))
+        views = iter(
+            _SumGradsOverReplicas.apply(groups, *(p for key in keys for p in by_group[key].values()))
+        )
         out: dict[int, dict[str, torch.Tensor]] = {}
         for axes, dtype in keys:
             for p in by_group[axes, dtype].values():

@@ -42,7 +42,9 @@ def chunks_of(rank: int, ranks: int) -> tuple[int, int]:
     return rank, 2 * ranks - 1 - rank
 
 
-def token_positions(seq_len: int, rank: int, ranks: int, device: torch.device | str | None = None) -> torch.Tensor:
+def token_positions(
+    seq_len: int, rank: int, ranks: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The true positions ``[2L]`` (int64) of ``rank``'s local tokens, in local order."""
     length = check_split(seq_len, ranks)
     first, second = chunks_of(rank, ranks)
@@ -61,10 +63,14 @@ def unsplit_sequence(parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tenso
     """The whole sequence ``[..., s, ...]`` from every rank's local tokens ``parts[r]`` ``[..., 2L, ...]``, in rank order."""
     ranks = len(parts)
     if ranks == 0 or len({p.shape[dim] for p in parts}) != 1 or parts[0].shape[dim] % 2:
-        raise ValueError(f"expected one piece of 2L tokens per rank on dim {dim}, got sizes {[p.shape[dim] for p in parts]}")
+        raise ValueError(
+            f"expected one piece of 2L tokens per rank on dim {dim}, got sizes {[p.shape[dim] for p in parts]}"
+        )
     length = parts[0].shape[dim] // 2
     halves = [p.split(length, dim) for p in parts]
-    return torch.cat([halves[r][0] for r in range(ranks)] + [halves[r][1] for r in reversed(range(ranks))], dim)
+    return torch.cat(
+        [halves[r][0] for r in range(ranks)] + [halves[r][1] for r in reversed(range(ranks))], dim
+    )
 
 
 def split_targets(labels: torch.Tensor, rank: int, ranks: int, ignore_index: int = -100) -> torch.Tensor:

@@ -57,7 +57,9 @@ class _GatherSequence(torch.autograd.Function):
         gathered, _ = all_gather_dim0(local.contiguous(), group)  # [R·n0, ...]: rank r's block r-th
         length = local.shape[dim] // 2
         halves = [piece.split(length, dim) for piece in gathered.chunk(ranks, 0)]
-        return torch.cat([halves[r][0] for r in range(ranks)] + [halves[r][1] for r in reversed(range(ranks))], dim)
+        return torch.cat(
+            [halves[r][0] for r in range(ranks)] + [halves[r][1] for r in reversed(range(ranks))], dim
+        )
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -110,11 +112,13 @@ def _block_forward(kernel: str, q, k, v, causal: bool, scale: float | None):
     ``(out [b, h, n, d], lse [b, h, n], state)``; ``state`` is what its backward needs."""
     if kernel == "cudnn":
         out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale)
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
         return out, lse.reshape(q.shape[:3]), (lse.shape, seed, offset, cq, ck, mq, mk)
     if kernel == "flash":
         out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale)
+            q, k, v, 0.0, causal, False, scale=scale
+        )
         return out, lse, (cq, ck, mq, mk, seed, offset)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, None
@@ -126,13 +130,31 @@ def _block_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: f
     if kernel == "cudnn":
         lse_shape, seed, offset, cq, ck, mq, mk = state
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse.reshape(lse_shape), seed, offset, None, cq, ck, mq, mk, 0.0, causal, scale=scale)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse.reshape(lse_shape),
+            seed,
+            offset,
+            None,
+            cq,
+            ck,
+            mq,
+            mk,
+            0.0,
+            causal,
+            scale=scale,
+        )
     if kernel == "flash":
         cq, ck, mq, mk, seed, offset = state
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
+            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale
+        )
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
 
 
 def _blocks(rank: int, ranks: int, length: int) -> list[tuple[int, int, int, bool]]:
@@ -158,15 +180,19 @@ class _ZigZagAttention(torch.autograd.Function):
         outs, lses = [None, None], [None, None]
         for slot, start, end, causal in blocks:
             rows = q.narrow(2, slot * length, length)
-            out, lse, state = _block_forward(kernel, rows, k[:, :, start:end], v[:, :, start:end], causal, scale)
+            out, lse, state = _block_forward(
+                kernel, rows, k[:, :, start:end], v[:, :, start:end], causal, scale
+            )
             states.append(state)
             if outs[slot] is None:
                 outs[slot], lses[slot] = out, lse
             else:  # merge by log-sum-exp, in float32 (or the inputs' float64)
                 wide = torch.promote_types(lse.dtype, torch.float32)
                 total = torch.logaddexp(lses[slot].to(wide), lse.to(wide))
-                outs[slot] = (outs[slot] * torch.exp(lses[slot] - total)[..., None]
-                              + out * torch.exp(lse - total)[..., None]).to(q.dtype)
+                outs[slot] = (
+                    outs[slot] * torch.exp(lses[slot] - total)[..., None]
+                    + out * torch.exp(lse - total)[..., None]
+                ).to(q.dtype)
                 lses[slot] = total
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -183,15 +209,26 @@ class _ZigZagAttention(torch.autograd.Function):
             rows = slice(slot * length, (slot + 1) * length)
             # each block's backward gets its own copy of the log-sum-exp, as measured right with cuDNN on torch
             # 2.11 (one copy, and contiguous copies of dout and out, shared by a chunk's two: wrong gradients)
-            grads = _block_backward(ctx.kernel, dout[:, :, rows], q[:, :, rows], k[:, :, start:end], v[:, :, start:end],
-                                    out[:, :, rows], lse[:, :, rows].clone(), causal, ctx.scale, state)
+            grads = _block_backward(
+                ctx.kernel,
+                dout[:, :, rows],
+                q[:, :, rows],
+                k[:, :, start:end],
+                v[:, :, start:end],
+                out[:, :, rows],
+                lse[:, :, rows].clone(),
+                causal,
+                ctx.scale,
+                state,
+            )
             for total, grad, span in zip((dq, dk, dv), grads, (rows, slice(start, end), slice(start, end))):
                 total[:, :, span] += grad
         return dq, dk, dv, None, None, None
 
 
-def attend_local_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, ranks: int,
-                        scale: float | None = None) -> torch.Tensor:
+def attend_local_chunks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, ranks: int, scale: float | None = None
+) -> torch.Tensor:
     """Causal attention of ``rank``'s query tokens ``q`` ``[b, 2L, heads, d]`` (chunks ``rank`` and
     ``2·ranks-1-rank``) to the whole sequence's ``k, v`` ``[b, s, kv_heads, d]`` → ``[b, 2L, heads·d]``.
 
@@ -209,8 +246,9 @@ def attend_local_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank:
     return out.transpose(1, 2).flatten(-2)
 
 
-def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                           scale: float | None = None) -> torch.Tensor:
+def split_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, scale: float | None = None
+) -> torch.Tensor:
     """This rank's rows ``[b, 2L, heads·d]`` of the causal attention of whole sequences split over ``group``.
 
     ``q`` ``[b, 2L, heads, d]`` and ``k, v`` ``[b, 2L, kv_heads, d]`` hold this rank's tokens (chunks
@@ -219,8 +257,10 @@ def split_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     collective; their gradients are reduce-scattered back.
     """
     if k.shape != v.shape or k.shape[:2] != q.shape[:2]:
-        raise ValueError(f"expected q [b, 2L, heads, d] and k, v [b, 2L, kv_heads, d], "
-                         f"got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+        raise ValueError(
+            f"expected q [b, 2L, heads, d] and k, v [b, 2L, kv_heads, d], "
+            f"got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}"
+        )
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     kv = gather_sequence(torch.stack([k, v]), group, dim=2)
     return attend_local_chunks(q, kv[0], kv[1], rank, ranks, scale)

@@ -8,7 +8,7 @@ replica-gradient sum per forward (:class:`~lightning_3d.ops.replicated.Replicate
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -60,17 +60,26 @@ def attach_model_hooks(model: nn.Module, plan: Plan, grid: Grid, runtime: Runtim
     # takes the host 0.13 ms); a layer added later sums its own gradients, as one outside a model does.
     layers = [m for m in model.modules() if isinstance(m, Module3D)]
     replicated = _EachForward(lambda: ReplicatedGradsAtOnce(grid, _replicated_uses(layers)))
-    grads_at_end = _EachForward(lambda: runtime.late_grads.handing_out(_gathered_weights(layers, grid))
-                                if runtime.options.grads_at_end else contextlib.nullcontext())
+    grads_at_end = _EachForward(
+        lambda: (
+            runtime.late_grads.handing_out(_gathered_weights(layers, grid))
+            if runtime.options.grads_at_end
+            else contextlib.nullcontext()
+        )
+    )
     for entered in (tokens, prefetch, replicated, grads_at_end):
         model.register_forward_pre_hook(entered.enter)
     if plan.before_forward is not None:
         before = plan.before_forward
-        model.register_forward_pre_hook(lambda m, args, kwargs: before(m, grid, args, kwargs), with_kwargs=True)
+        model.register_forward_pre_hook(
+            lambda m, args, kwargs: before(m, grid, args, kwargs), with_kwargs=True
+        )
     model.register_forward_hook(prefetch.leave, always_call=True)
     model.register_forward_hook(replicated.leave, always_call=True)
     model.register_forward_hook(grads_at_end.leave, always_call=True)
     if plan.after_forward is not None:
         after = plan.after_forward
-        model.register_forward_hook(lambda m, args, kwargs, out: after(m, grid, args, kwargs, out), with_kwargs=True)
+        model.register_forward_hook(
+            lambda m, args, kwargs, out: after(m, grid, args, kwargs, out), with_kwargs=True
+        )
     model.register_forward_hook(tokens.leave, always_call=True)

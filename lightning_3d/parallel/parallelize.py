@@ -31,13 +31,19 @@ from ..sharding import get_spec, shard_tensor
 from .hooks import attach_model_hooks
 from .norms import norm_kind
 from .plan import Plan, find_plan, matches
-from .units import run_as_unit
 from .rules import Rule
 from .state import check_options
+from .units import run_as_unit
 
 
-def parallelize(model: nn.Module, plan: Plan | None = None, *, grid: Grid | None = None,
-                options: RuntimeOptions | None = None, device: torch.device | str | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    plan: Plan | None = None,
+    *,
+    grid: Grid | None = None,
+    options: RuntimeOptions | None = None,
+    device: torch.device | str | None = None,
+) -> nn.Module:
     """Put ``model`` on the grid in place and return it.
 
     Args:
@@ -111,15 +117,21 @@ def _match(model: nn.Module, plan: Plan) -> tuple[list[tuple[str, nn.Module]], d
         if rule is not None:
             rules[name] = rule
         elif any(p is not None for p in module._parameters.values()):
-            unmapped.append(f"  {name or '(the model)'} ({type(module).__name__}): add {_suggest(name, module)}")
+            unmapped.append(
+                f"  {name or '(the model)'} ({type(module).__name__}): add {_suggest(name, module)}"
+            )
     if unmapped:
-        raise ValueError(f"no rule of the plan maps these modules of {type(model).__name__}, which hold parameters:\n"
-                         + "\n".join(unmapped))
+        raise ValueError(
+            f"no rule of the plan maps these modules of {type(model).__name__}, which hold parameters:\n"
+            + "\n".join(unmapped)
+        )
     names = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     shared = [name for name in rules if names[id(model.get_submodule(name))] > 1]
     if shared:
-        raise ValueError(f"{shared} are registered under several names in {type(model).__name__}: a module replaced at one "
-                         "name would stay dense at the others; give each place a module of its own")
+        raise ValueError(
+            f"{shared} are registered under several names in {type(model).__name__}: a module replaced at one "
+            "name would stay dense at the others; give each place a module of its own"
+        )
     if plan.strict:
         _check_used(model, plan.rules, rules, "rule")
     return order, rules
@@ -129,11 +141,15 @@ def _check_used(model: nn.Module, patterns, names, what: str) -> None:
     unused = [p for p in patterns if not any(matches(p, n) for n in names)]
     if unused:
         sample = [n for n, _ in model.named_modules() if n][:8]
-        raise ValueError(f"{what} patterns {unused} match no module of {type(model).__name__} (names look like {sample}); "
-                         "fix them or pass Plan(strict=False)")
+        raise ValueError(
+            f"{what} patterns {unused} match no module of {type(model).__name__} (names look like {sample}); "
+            "fix them or pass Plan(strict=False)"
+        )
 
 
-def _build(name: str, module: nn.Module, rule: Rule, grid: Grid, options: RuntimeOptions, runtime: Runtime) -> nn.Module:
+def _build(
+    name: str, module: nn.Module, rule: Rule, grid: Grid, options: RuntimeOptions, runtime: Runtime
+) -> nn.Module:
     """The rule's 3-D module on ``meta``, every 3-D layer in it running with the model's ``runtime``;
     errors name the module."""
     try:
@@ -164,7 +180,9 @@ class _Converter:
         self.holders = {k: n for k, n in counts.items() if n > 1}
         self.converted: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
 
-    def run(self, order: list[tuple[str, nn.Module]], rules: dict[str, Rule], built: dict[str, nn.Module]) -> None:
+    def run(
+        self, order: list[tuple[str, nn.Module]], rules: dict[str, Rule], built: dict[str, nn.Module]
+    ) -> None:
         """Convert the modules of ``order`` (emptied as it goes, so that each replaced module's
         dense tensors are freed as soon as the module is swapped out)."""
         order.reverse()
@@ -190,8 +208,10 @@ class _Converter:
         prefix = f"{name}." if name else ""
         if self.plan.init is None:
             if not hasattr(module, "reset_parameters"):
-                raise ValueError(f"{name} ({type(module).__name__}) is on the meta device and has no reset_parameters(): "
-                                 "give the plan an init(name, tensor) that fills its tensors")
+                raise ValueError(
+                    f"{name} ({type(module).__name__}) is on the meta device and has no reset_parameters(): "
+                    "give the plan an init(name, tensor) that fills its tensors"
+                )
             module.to_empty(device=self.device, recurse=False)
             module.reset_parameters()
             return
@@ -205,8 +225,14 @@ class _Converter:
             module._buffers[n] = t
 
     @torch.no_grad()
-    def _replace(self, name: str, module: nn.Module, rule: Rule, new: nn.Module, originals: dict[str, nn.Parameter]) -> None:
-        dense, transposed, orders = rule.dense_tensors(module), getattr(new, "dense_transposed", ()), getattr(new, "dense_row_order", {})
+    def _replace(
+        self, name: str, module: nn.Module, rule: Rule, new: nn.Module, originals: dict[str, nn.Parameter]
+    ) -> None:
+        dense, transposed, orders = (
+            rule.dense_tensors(module),
+            getattr(new, "dense_transposed", ()),
+            getattr(new, "dense_row_order", {}),
+        )
         real = [t for t in dense.values() if t is not None and not t.is_meta]
         new.to_empty(device=real[0].device if real else self.device)
         for pname, p in list(new.named_parameters(recurse=False)):
@@ -214,15 +240,23 @@ class _Converter:
             shared = self._tied(source) if source is not None else None
             if shared is not None:
                 if get_spec(shared) != get_spec(p):
-                    raise ValueError(f"{name}.{pname} is tied to a weight laid out as {get_spec(shared)}, but its rule lays it "
-                                     f"out as {get_spec(p)}: give both modules rules with the same layout and padding")
+                    raise ValueError(
+                        f"{name}.{pname} is tied to a weight laid out as {get_spec(shared)}, but its rule lays it "
+                        f"out as {get_spec(p)}: give both modules rules with the same layout and padding"
+                    )
                 setattr(new, pname, shared)
             else:
                 spec = get_spec(p)
                 full = dense[pname].to(p.device)
-                p.copy_(full if spec is None else
-                        shard_tensor(dense_to_global(full, spec.global_shape, pname in transposed, orders.get(pname)),
-                                     spec, self.grid))
+                p.copy_(
+                    full
+                    if spec is None
+                    else shard_tensor(
+                        dense_to_global(full, spec.global_shape, pname in transposed, orders.get(pname)),
+                        spec,
+                        self.grid,
+                    )
+                )
             if source is not None and id(source) in self.holders:
                 self._hold(source, shared if shared is not None else p)
         parent_name, _, child = name.rpartition(".")

@@ -98,13 +98,24 @@ class Linear(Rule):
     def build(self, name, module, grid, options):
         in_features, out_features = _linear_sizes(name, module, self.transposed)
         bias = getattr(module, "bias", None) is not None
-        common = dict(bias=bias, input_layout=self.input_layout, grid=grid, device=META, dtype=_dtype(module), options=options,
-                      transposed=self.transposed)
+        common = dict(
+            bias=bias,
+            input_layout=self.input_layout,
+            grid=grid,
+            device=META,
+            dtype=_dtype(module),
+            options=options,
+            transposed=self.transposed,
+        )
         if self.groups == 1:
             return Linear3D(in_features, out_features, **common)
         if out_features % self.groups:
-            _refuse(name, module, f"{out_features} output features do not split into groups={self.groups}",
-                    "use the number of projections packed in the weight")
+            _refuse(
+                name,
+                module,
+                f"{out_features} output features do not split into groups={self.groups}",
+                "use the number of projections packed in the weight",
+            )
         return FusedLinear3D(in_features, out_features // self.groups, self.groups, **common)
 
 
@@ -121,18 +132,40 @@ class Norm(Rule):
     def build(self, name, module, grid, options):
         kind = norm_kind(module)
         if kind is None:
-            _refuse(name, module, "this norm class is not registered",
-                    f"call lightning_3d.parallel.register_norm({type(module).__name__!r}, 'layernorm' or 'rmsnorm', eps_attr=...)")
+            _refuse(
+                name,
+                module,
+                "this norm class is not registered",
+                f"call lightning_3d.parallel.register_norm({type(module).__name__!r}, 'layernorm' or 'rmsnorm', eps_attr=...)",
+            )
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-        shape = tuple(getattr(module, "normalized_shape", ())) or (tuple(weight.shape) if weight is not None else ())
+        shape = tuple(getattr(module, "normalized_shape", ())) or (
+            tuple(weight.shape) if weight is not None else ()
+        )
         if len(shape) != 1:
-            _refuse(name, module, f"normalized_shape {shape} is not one feature dim", "3-D norms normalise the last dim only")
+            _refuse(
+                name,
+                module,
+                f"normalized_shape {shape} is not one feature dim",
+                "3-D norms normalise the last dim only",
+            )
         eps = getattr(module, kind.eps_attr)
-        common = dict(elementwise_affine=weight is not None, layout=self.layout, grid=grid, device=META, dtype=_dtype(module))
+        common = dict(
+            elementwise_affine=weight is not None,
+            layout=self.layout,
+            grid=grid,
+            device=META,
+            dtype=_dtype(module),
+        )
         if kind.center:
             return LayerNorm3D(shape[0], eps=eps, bias=bias is not None, **common)
         if bias is not None:
-            _refuse(name, module, "an RMSNorm with a bias", "register its class as 'layernorm' if it centres, else drop the bias")
+            _refuse(
+                name,
+                module,
+                "an RMSNorm with a bias",
+                "register its class as 'layernorm' if it centres, else drop the bias",
+            )
         return RMSNorm3D(shape[0], eps=eps, **common)
 
 
@@ -140,9 +173,18 @@ def _check_embedding(name: str, module: nn.Module, padding: bool = False) -> Non
     """Refuse what the rule cannot represent exactly (``padding``: a ``padding_idx`` is supported)."""
     if not isinstance(module, nn.Embedding):
         _refuse(name, module, "an embedding rule needs an nn.Embedding", "map it with another rule")
-    if (module.padding_idx is not None and not padding) or module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-        _refuse(name, module, f"{'' if padding else 'padding_idx, '}max_norm, scale_grad_by_freq and sparse are not supported",
-                "build the embedding without them")
+    if (
+        (module.padding_idx is not None and not padding)
+        or module.max_norm is not None
+        or module.scale_grad_by_freq
+        or module.sparse
+    ):
+        _refuse(
+            name,
+            module,
+            f"{'' if padding else 'padding_idx, '}max_norm, scale_grad_by_freq and sparse are not supported",
+            "build the embedding without them",
+        )
 
 
 @dataclass(frozen=True)
@@ -157,8 +199,15 @@ class VocabEmbedding(Rule):
     def build(self, name, module, grid, options):
         _check_embedding(name, module, padding=True)
         v, h = module.weight.shape
-        return PaddedEmbedding3D(v, padded_vocab_size(v, grid, self.pad_to_multiple), h, grid=grid, device=META, dtype=_dtype(module),
-                                 padding_idx=module.padding_idx)
+        return PaddedEmbedding3D(
+            v,
+            padded_vocab_size(v, grid, self.pad_to_multiple),
+            h,
+            grid=grid,
+            device=META,
+            dtype=_dtype(module),
+            padding_idx=module.padding_idx,
+        )
 
 
 @dataclass(frozen=True)
@@ -182,8 +231,16 @@ class LMHead(Rule):
 
     def build(self, name, module, grid, options):
         h, v = _linear_sizes(name, module, False)
-        return LMHead3D(h, v, padded_vocab_size(v, grid, self.pad_to_multiple), bias=getattr(module, "bias", None) is not None,
-                        grid=grid, device=META, dtype=_dtype(module), options=options)
+        return LMHead3D(
+            h,
+            v,
+            padded_vocab_size(v, grid, self.pad_to_multiple),
+            bias=getattr(module, "bias", None) is not None,
+            grid=grid,
+            device=META,
+            dtype=_dtype(module),
+            options=options,
+        )
 
 
 @dataclass(frozen=True)
@@ -202,10 +259,19 @@ class Loss(Rule):
         if not isinstance(module, nn.CrossEntropyLoss):
             _refuse(name, module, "the Loss rule replaces nn.CrossEntropyLoss", "map it with another rule")
         if module.weight is not None or module.label_smoothing or module.reduction != "mean":
-            _refuse(name, module, "class weights, label smoothing and reductions other than 'mean' are not supported",
-                    "use nn.CrossEntropyLoss(ignore_index=...) with the defaults")
-        return CrossEntropyLoss3D(ignore_index=module.ignore_index, grid=grid, vocab_size=self.vocab_size, options=options,
-                                  check_targets=self.check_targets)
+            _refuse(
+                name,
+                module,
+                "class weights, label smoothing and reductions other than 'mean' are not supported",
+                "use nn.CrossEntropyLoss(ignore_index=...) with the defaults",
+            )
+        return CrossEntropyLoss3D(
+            ignore_index=module.ignore_index,
+            grid=grid,
+            vocab_size=self.vocab_size,
+            options=options,
+            check_targets=self.check_targets,
+        )
 
 
 @dataclass(frozen=True)

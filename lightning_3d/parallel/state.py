@@ -14,7 +14,15 @@ from ..ops.async_tp import check_available
 from ..options import RuntimeOptions
 from ..runtime import Runtime
 
-__all__ = ["check_options", "dense_state_dict", "grid_of", "load_dense_state_dict", "options_of", "runtime_of", "set_options"]
+__all__ = [
+    "check_options",
+    "dense_state_dict",
+    "grid_of",
+    "load_dense_state_dict",
+    "options_of",
+    "runtime_of",
+    "set_options",
+]
 
 
 def _runtimes(model: nn.Module) -> list[Runtime]:
@@ -25,8 +33,10 @@ def runtime_of(model: nn.Module) -> Runtime:
     """The :class:`~lightning_3d.runtime.Runtime` the 3-D layers of ``model`` share (``parallelize`` made it)."""
     found = _runtimes(model)
     if len(found) > 1:
-        raise ValueError(f"the 3-D layers of {type(model).__name__} hold {len(found)} different runtimes: "
-                         "layers built alone each run with their own; parallelize the model to give them one")
+        raise ValueError(
+            f"the 3-D layers of {type(model).__name__} hold {len(found)} different runtimes: "
+            "layers built alone each run with their own; parallelize the model to give them one"
+        )
     return found[0]
 
 
@@ -34,8 +44,10 @@ def options_of(model: nn.Module) -> RuntimeOptions:
     """The :class:`RuntimeOptions` the 3-D layers of ``model`` run with (fixed: :func:`set_options` changes them)."""
     found = {id(r.options): r.options for r in _runtimes(model)}
     if len(found) > 1:
-        raise ValueError(f"the 3-D layers of {type(model).__name__} hold {len(found)} different RuntimeOptions; "
-                         "use lightning_3d.parallel.set_options(model, ...) to change them all")
+        raise ValueError(
+            f"the 3-D layers of {type(model).__name__} hold {len(found)} different RuntimeOptions; "
+            "use lightning_3d.parallel.set_options(model, ...) to change them all"
+        )
     return next(iter(found.values()))
 
 
@@ -43,9 +55,13 @@ def check_options(options: RuntimeOptions, grid: Grid) -> None:
     """``ValueError`` on every rank of the cube unless all of them pass equal ``options`` (ranks that ran different
     collectives would hang); then naming the fix when ``options`` cannot run on ``grid`` (collective matmuls that
     this device or torch lacks). Collective over the cube."""
-    agree(dataclasses.asdict(options), grid.group("cube"), "RuntimeOptions",
-          "every rank must run with the same options: set them alike on all ranks (parallelize(options=...), "
-          "set_options(model, ...), Tensor3DStrategy(async_tp=...))")
+    agree(
+        dataclasses.asdict(options),
+        grid.group("cube"),
+        "RuntimeOptions",
+        "every rank must run with the same options: set them alike on all ranks (parallelize(options=...), "
+        "set_options(model, ...), Tensor3DStrategy(async_tp=...))",
+    )
     if options.async_tp:
         check_available(grid.mesh.device_type, grid.cube_size, grid.axes_across_nodes)
 
@@ -58,7 +74,9 @@ def set_options(model: nn.Module, **changes) -> None:
     Collective over the cube: every rank calls it with the same changes (checked)."""
     unknown = set(changes) - {f.name for f in dataclasses.fields(RuntimeOptions)}
     if unknown:
-        raise ValueError(f"unknown RuntimeOptions fields {sorted(unknown)}; fields: {[f.name for f in dataclasses.fields(RuntimeOptions)]}")
+        raise ValueError(
+            f"unknown RuntimeOptions fields {sorted(unknown)}; fields: {[f.name for f in dataclasses.fields(RuntimeOptions)]}"
+        )
     check_options(RuntimeOptions(**changes), grid_of(model))
     for runtime in _runtimes(model):
         runtime.apply(dataclasses.replace(runtime.options, **changes))

@@ -14,5 +14,12 @@ from .runtime import Runtime, runtime_named
 from .schedule import MatmulSchedule
 from .token_checks import DeferredTokenChecks, check_token_range
 
-__all__ = ["DeferredTokenChecks", "MatmulSchedule", "Runtime", "WeightGradsAtEnd", "WeightPrefetch", "check_token_range",
-           "runtime_named"]
+__all__ = [
+    "DeferredTokenChecks",
+    "MatmulSchedule",
+    "Runtime",
+    "WeightGradsAtEnd",
+    "WeightPrefetch",
+    "check_token_range",
+    "runtime_named",
+]

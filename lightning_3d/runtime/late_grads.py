@@ -26,7 +26,7 @@ gradient for the node of its weight.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -79,7 +79,9 @@ class WeightGradsAtEnd:
     def __init__(self):
         # gradients started and not handed on yet, by weight storage: [(shard, side stream)]
         self.pending: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Stream | None]]] = {}
-        self.queued: list[tuple[torch.Tensor, object, torch.Tensor]] = []  # (gathered gradient, group, weight), not started
+        self.queued: list[
+            tuple[torch.Tensor, object, torch.Tensor]
+        ] = []  # (gathered gradient, group, weight), not started
 
     @contextlib.contextmanager
     def handing_out(self, weights: Iterable[nn.Parameter]) -> Iterator[None]:
@@ -90,7 +92,11 @@ class WeightGradsAtEnd:
         for key in keys:  # a backward that failed half-way left these: never hand them on
             self.pending.pop(key, None)
         self.queued[:] = [entry for entry in self.queued if _key(entry[2]) not in keys]
-        views = _HandOnAtEnd.apply(self, *weights) if torch.is_grad_enabled() and weights else (None,) * len(weights)
+        views = (
+            _HandOnAtEnd.apply(self, *weights)
+            if torch.is_grad_enabled() and weights
+            else (None,) * len(weights)
+        )
         for w, view in zip(weights, views):
             setattr(w, _LANDED, view)
         try:
@@ -106,7 +112,9 @@ class WeightGradsAtEnd:
         ``torch.compile`` its ``_base`` does not carry the view (eager and compiled runs agree)."""
         return getattr(b, _LANDED, None) if isinstance(b, nn.Parameter) else None
 
-    def scatter_at_end(self, gathered_grad: torch.Tensor, group, weight: torch.Tensor, together: int = 1) -> None:
+    def scatter_at_end(
+        self, gathered_grad: torch.Tensor, group, weight: torch.Tensor, together: int = 1
+    ) -> None:
         """Reduce-scatter ``gathered_grad`` (the gradient of ``weight`` gathered over ``group``) and
         leave this rank's rows, in ``weight``'s dtype, for the node that handed ``weight`` out. It
         starts with the ``together`` - 1 such gradients of ``group`` before it, as one collective,
@@ -124,7 +132,9 @@ class WeightGradsAtEnd:
             return
         grads, groups, weights = zip(*self.queued)
         self.queued.clear()
-        one_dtype = weights[0].dtype if len({w.dtype for w in weights}) == 1 else None  # then cast once, as one row
+        one_dtype = (
+            weights[0].dtype if len({w.dtype for w in weights}) == 1 else None
+        )  # then cast once, as one row
         with comm.beside("weight gradients", *grads) as side:
             shards = comm.reduce_scatter_dim0_together(list(grads), groups[0], one_dtype)
             shards = [shard.to(weight.dtype) for shard, weight in zip(shards, weights)]

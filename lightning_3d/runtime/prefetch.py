@@ -97,10 +97,18 @@ class WeightPrefetch:
     ``gathered_together`` (:class:`~lightning_3d.runtime.Runtime`).
     """
 
-    def __init__(self, depth: int = RuntimeOptions.prefetch_depth, together: int = RuntimeOptions.gathered_together):
-        depth = _check_count("depth", depth, "how many weights are gathered ahead", RuntimeOptions.prefetch_depth)
-        together = _check_count("together", together, "how many consecutive weights start their gathers as one collective",
-                                RuntimeOptions.gathered_together)
+    def __init__(
+        self, depth: int = RuntimeOptions.prefetch_depth, together: int = RuntimeOptions.gathered_together
+    ):
+        depth = _check_count(
+            "depth", depth, "how many weights are gathered ahead", RuntimeOptions.prefetch_depth
+        )
+        together = _check_count(
+            "together",
+            together,
+            "how many consecutive weights start their gathers as one collective",
+            RuntimeOptions.gathered_together,
+        )
         self.depth, self.together = depth, together
         self._forward, self._backward = _GatherOrder(depth, together), _GatherOrder(depth, together)
         self._forwards = 0  # forwards of the model entered and not yet left
@@ -174,7 +182,9 @@ def _check_count(name: str, value: object, meaning: str, default: int) -> int:
     try:
         return positive_int(value, name)
     except ValueError:
-        raise ValueError(f"WeightPrefetch({name}={value!r}): {name} is {meaning}, an int >= 1 (default {default})") from None
+        raise ValueError(
+            f"WeightPrefetch({name}={value!r}): {name} is {meaning}, an int >= 1 (default {default})"
+        ) from None
 
 
 def _fetched_ahead(position: int, w: torch.Tensor, dtype: torch.dtype | None, gathered: tuple) -> tuple:

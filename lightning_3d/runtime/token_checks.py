@@ -44,7 +44,9 @@ class _Check:
             self.done.synchronize()
         if bool(self.flag):
             where = tuple(self.bad.nonzero()[0].tolist())
-            allowed = f"[0, {self.size})" + (f" or ignore_index {self.ignore_index}" if self.ignore_index is not None else "")
+            allowed = f"[0, {self.size})" + (
+                f" or ignore_index {self.ignore_index}" if self.ignore_index is not None else ""
+            )
             raise ValueError(
                 f"{self.who}: {self.what} {int(self.ids[where])} at index {where} of {list(self.ids.shape)} is outside {allowed} "
                 f"({int(self.bad.sum())} such); the vocabulary has {self.size} tokens: map the {self.what}s into [0, {self.size}) "
@@ -52,8 +54,14 @@ class _Check:
             )
 
 
-def check_token_range(ids: torch.Tensor, size: int, who: str, what: str, ignore_index: int | None = None,
-                      deferred: DeferredTokenChecks | None = None) -> None:
+def check_token_range(
+    ids: torch.Tensor,
+    size: int,
+    who: str,
+    what: str,
+    ignore_index: int | None = None,
+    deferred: DeferredTokenChecks | None = None,
+) -> None:
     """Raise ``ValueError`` naming the first id of ``ids`` outside ``[0, size)`` (other than ``ignore_index``):
     now, or as ``deferred`` closes when it is open (and the caller is not being compiled)."""
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:

@@ -36,7 +36,9 @@ def register(namespace: str) -> type:
 
 def register_on_import() -> None:
     """Register ``"tensor3d"`` in every installed Lightning namespace, now or when it gets imported."""
-    register_when_imported({ns: f"{__name__}.{sub}" for ns, sub in {**NAMESPACES, **FABRIC_NAMESPACES}.items()})
+    register_when_imported(
+        {ns: f"{__name__}.{sub}" for ns, sub in {**NAMESPACES, **FABRIC_NAMESPACES}.items()}
+    )
 
 
 def __getattr__(name: str):
@@ -44,8 +46,17 @@ def __getattr__(name: str):
         for namespace in _CLASSES[name]:
             if installed(namespace):
                 return register(namespace)
-        raise ImportError(f"{name} needs Lightning: pip install lightning (or pytorch-lightning / lightning-fabric)")
+        raise ImportError(
+            f"{name} needs Lightning: pip install lightning (or pytorch-lightning / lightning-fabric)"
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["FABRIC_NAMESPACES", "NAMESPACES", "Tensor3DFabricStrategy", "Tensor3DStrategy", "register", "register_on_import"]
+__all__ = [
+    "FABRIC_NAMESPACES",
+    "NAMESPACES",
+    "Tensor3DFabricStrategy",
+    "Tensor3DStrategy",
+    "register",
+    "register_on_import",
+]

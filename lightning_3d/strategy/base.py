@@ -28,16 +28,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import arguments, cost
 from .. import checkpoint as ckpt
-from ..parallel import set_options
 from ..cost import ModelShape
+from ..parallel import set_options
 from .checkpoints import FABRIC_STATE_KEY, load_meta, load_sharded, save_sharded
 from .failures import ReportFailuresOnce, same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
@@ -123,11 +124,28 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         ddp_comm_state: object | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-                         process_group_backend=process_group_backend, timeout=arguments.timeout(timeout), start_method="popen")
-        self.take_grid_arguments(grid, data_parallel_size, zero_stage, model_shape, async_tp, machine, checkpoint_on_preemption,
-                                 ddp_comm_hook, ddp_comm_state, ddp_kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=arguments.timeout(timeout),
+            start_method="popen",
+        )
+        self.take_grid_arguments(
+            grid,
+            data_parallel_size,
+            zero_stage,
+            model_shape,
+            async_tp,
+            machine,
+            checkpoint_on_preemption,
+            ddp_comm_hook,
+            ddp_comm_state,
+            ddp_kwargs,
+        )
         self._resumed_from: tuple | None = None
 
     # ----- precision: Lightning's plugin, as its grid-aware subclass -----
@@ -177,7 +195,9 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         """
         self.accelerator.setup(trainer)
         if self._layer_sync is not None:
-            raise ValueError("sync_batchnorm is not supported by the tensor3d strategy; use LayerNorm3D / RMSNorm3D")
+            raise ValueError(
+                "sync_batchnorm is not supported by the tensor3d strategy; use LayerNorm3D / RMSNorm3D"
+            )
         if self.async_tp:
             set_options(self.lightning_module, async_tp=True)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -218,10 +238,14 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         return ckpt.optimizer_state(unwrap(optimizer), ckpt.parameter_names(self.lightning_module), self.grid)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
+    ) -> None:
         """A sharded checkpoint directory: DCP shards, ``layout.json``, ``rng/``, and ``meta.pt`` (loops, callbacks, ...)."""
         if storage_options is not None:
-            raise TypeError("Tensor3DStrategy.save_checkpoint does not take storage_options: it writes with torch.distributed.checkpoint")
+            raise TypeError(
+                "Tensor3DStrategy.save_checkpoint does not take storage_options: it writes with torch.distributed.checkpoint"
+            )
         path = Path(self.broadcast(str(filepath)))
         if resume_point(path, checkpoint) == self._resumed_from:
             self.info(skip_message(path))
@@ -240,7 +264,9 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         fitting = module.trainer.state.fn == FITTING
         optimizers = dict(enumerate(map(unwrap, self.optimizers))) if fitting else {}
         meta = load_meta(path, trusted=weights_only is False)
-        load_sharded(path, module, self.grid, optimizers, self.holds_state, meta, strict=module.strict_loading)
+        load_sharded(
+            path, module, self.grid, optimizers, self.holds_state, meta, strict=module.strict_loading
+        )
         if fitting:
             # RNG now: the fit loop draws (dataloader seeds) before on_train_start; sanity checks run isolated
             ckpt.set_rng_state(ckpt.load_rng_state(path, self.grid))
@@ -258,4 +284,9 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        strategy_registry.register("tensor3d", cls, description="3-D tensor parallelism on a dp×px×py×pz grid (lightning_3d)", override=True)
+        strategy_registry.register(
+            "tensor3d",
+            cls,
+            description="3-D tensor parallelism on a dp×px×py×pz grid (lightning_3d)",
+            override=True,
+        )

@@ -13,8 +13,9 @@ through :func:`save_sharded` and :func:`load_sharded`, so either reads what the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,13 +26,21 @@ from ..grid import Grid
 from ..models.config import GPTConfig
 
 PARAM_GROUPS_KEY = "tensor3d_param_groups"
-FABRIC_STATE_KEY = "tensor3d_fabric_state"  # in the meta of a checkpoint Fabric wrote: which state entries were saved how
+FABRIC_STATE_KEY = (
+    "tensor3d_fabric_state"  # in the meta of a checkpoint Fabric wrote: which state entries were saved how
+)
 META_CLASSES = (GPTConfig,)
 """The classes ``meta.pt`` may hold besides plain data: the library's model config (a LightningModule's hyper-parameter)."""
 
 
-def save_sharded(path: str | Path, module: nn.Module, grid: Grid, model_state: dict[str, Any],
-                 optimizer_states: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+def save_sharded(
+    path: str | Path,
+    module: nn.Module,
+    grid: Grid,
+    model_state: dict[str, Any],
+    optimizer_states: list[dict[str, Any]],
+    meta: dict[str, Any],
+) -> None:
     """Write checkpoint ``path``. Collective over the world.
 
     Args:
@@ -51,9 +60,15 @@ def load_meta(path: str | Path, trusted: bool) -> dict[str, Any]:
     return ckpt.load_meta(path, trusted=trusted, allowed=META_CLASSES)
 
 
-def load_sharded(path: str | Path, module: nn.Module, grid: Grid, optimizers: dict[int, torch.optim.Optimizer],
-                 holds_state: Callable[[torch.optim.Optimizer], Callable[[torch.Tensor], bool]],
-                 meta: dict[str, Any], strict: bool = True) -> None:
+def load_sharded(
+    path: str | Path,
+    module: nn.Module,
+    grid: Grid,
+    optimizers: dict[int, torch.optim.Optimizer],
+    holds_state: Callable[[torch.optim.Optimizer], Callable[[torch.Tensor], bool]],
+    meta: dict[str, Any],
+    strict: bool = True,
+) -> None:
     """Load checkpoint ``path`` (written on any grid and dp) into ``module`` and ``optimizers``. Collective over the world.
 
     Args:
@@ -71,5 +86,7 @@ def load_sharded(path: str | Path, module: nn.Module, grid: Grid, optimizers: di
     names = {i: key(name) for i, name in ckpt.parameter_names(module).items()}
     for index, optimizer in optimizers.items():
         if index >= len(groups):
-            raise ckpt.CheckpointError(f"{path} holds the state of {len(groups)} optimizer(s); optimizer {index} was asked for")
+            raise ckpt.CheckpointError(
+                f"{path} holds the state of {len(groups)} optimizer(s); optimizer {index} was asked for"
+            )
         ckpt.load_optimizer_(optimizer, index, names, grid, path, groups[index], holds_state(optimizer))

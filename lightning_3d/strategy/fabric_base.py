@@ -29,9 +29,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -39,11 +40,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import arguments, cost
 from .. import checkpoint as ckpt
+from ..cost import ModelShape
 from ..grad_norm import clip_grad_norm_
 from ..layers import Module3D
 from ..options import RuntimeOptions
 from ..parallel import Plan, parallelize, set_options
-from ..cost import ModelShape
 from .checkpoints import FABRIC_STATE_KEY, PARAM_GROUPS_KEY, load_meta, load_sharded, save_sharded
 from .failures import same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
@@ -69,18 +70,26 @@ def materialize_(module: nn.Module, device: torch.device) -> None:
     """
     if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         return
-    bare = [f"{name or '(the model)'} ({type(m).__name__})" for name, m in module.named_modules()
-            if any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False))) and not callable(getattr(m, "reset_parameters", None))]
+    bare = [
+        f"{name or '(the model)'} ({type(m).__name__})"
+        for name, m in module.named_modules()
+        if any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+        and not callable(getattr(m, "reset_parameters", None))
+    ]
     if bare:
-        raise ValueError(f"the model was built on meta (fabric.init_module(empty_init=True)) but {bare} have no reset_parameters() "
-                         "to initialise their tensors: build it without empty_init, or give those modules reset_parameters()")
+        raise ValueError(
+            f"the model was built on meta (fabric.init_module(empty_init=True)) but {bare} have no reset_parameters() "
+            "to initialise their tensors: build it without empty_init, or give those modules reset_parameters()"
+        )
     module.to_empty(device=device)
     for m in module.modules():
         if any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False))):
             m.reset_parameters()
 
 
-def rebind_parameters_(optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, nn.Parameter]) -> None:
+def rebind_parameters_(
+    optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, nn.Parameter]
+) -> None:
     """Point ``optimizer``'s param groups at ``params`` (the model's parameters after setup) by the names
     ``names`` gave the old ones (``id(param)`` → name, from before setup).
 
@@ -88,13 +97,21 @@ def rebind_parameters_(optimizer: torch.optim.Optimizer, names: dict[int, str], 
         ValueError: the optimizer already has state, or holds a parameter that is not the model's.
     """
     if optimizer.state:
-        raise ValueError("the optimizer passed to fabric.setup already has state: pass a fresh one, and restore its state "
-                         "after setup with fabric.load(path, {'model': model, 'optimizer': optimizer})")
+        raise ValueError(
+            "the optimizer passed to fabric.setup already has state: pass a fresh one, and restore its state "
+            "after setup with fabric.load(path, {'model': model, 'optimizer': optimizer})"
+        )
     for group in optimizer.param_groups:
-        missing = [names.get(id(p), f"a {list(p.shape)} tensor") for p in group["params"] if names.get(id(p)) not in params]
+        missing = [
+            names.get(id(p), f"a {list(p.shape)} tensor")
+            for p in group["params"]
+            if names.get(id(p)) not in params
+        ]
         if missing:
-            raise ValueError(f"the optimizer holds parameters that are not the model's ({missing[:4]}): create it from "
-                             "model.parameters(), or after model = fabric.setup_module(model), then fabric.setup_optimizers(optimizer)")
+            raise ValueError(
+                f"the optimizer holds parameters that are not the model's ({missing[:4]}): create it from "
+                "model.parameters(), or after model = fabric.setup_module(model), then fabric.setup_optimizers(optimizer)"
+            )
         group["params"] = [params[names[id(p)]] for p in group["params"]]
 
 
@@ -158,15 +175,35 @@ class Tensor3DFabricMixin(GridStrategy):
         ddp_comm_state: object | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-                         precision=precision, process_group_backend=process_group_backend, timeout=arguments.timeout(timeout),
-                         start_method="popen")
-        self.take_grid_arguments(grid, data_parallel_size, zero_stage, model_shape, async_tp, machine, checkpoint_on_preemption,
-                                 ddp_comm_hook, ddp_comm_state, ddp_kwargs)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=arguments.timeout(timeout),
+            start_method="popen",
+        )
+        self.take_grid_arguments(
+            grid,
+            data_parallel_size,
+            zero_stage,
+            model_shape,
+            async_tp,
+            machine,
+            checkpoint_on_preemption,
+            ddp_comm_hook,
+            ddp_comm_state,
+            ddp_kwargs,
+        )
         if plan is not None and not isinstance(plan, Plan):
-            raise ValueError(f"plan must be a lightning_3d.Plan or None (the built-in plan of the model's class), got {plan!r}")
+            raise ValueError(
+                f"plan must be a lightning_3d.Plan or None (the built-in plan of the model's class), got {plan!r}"
+            )
         if options is not None and not isinstance(options, RuntimeOptions):
-            raise ValueError(f"options must be a lightning_3d.RuntimeOptions or None (the plan's), got {options!r}")
+            raise ValueError(
+                f"options must be a lightning_3d.RuntimeOptions or None (the plan's), got {options!r}"
+            )
         self.plan, self.options = plan, options
         self._backward_sync_control = DataParallelSync()
         self._watch: PreemptionWatch | None = None
@@ -184,12 +221,16 @@ class Tensor3DFabricMixin(GridStrategy):
 
     @property
     def checkpoint_io(self):
-        raise NotImplementedError(f"{type(self).__name__} writes sharded checkpoints itself: it has no CheckpointIO plugin")
+        raise NotImplementedError(
+            f"{type(self).__name__} writes sharded checkpoints itself: it has no CheckpointIO plugin"
+        )
 
     @checkpoint_io.setter
     def checkpoint_io(self, io) -> None:
         if io is not None:
-            raise NotImplementedError(f"{type(self).__name__} writes sharded checkpoints itself: it takes no CheckpointIO plugin")
+            raise NotImplementedError(
+                f"{type(self).__name__} writes sharded checkpoints itself: it takes no CheckpointIO plugin"
+            )
 
     # ----- the grid -----
 
@@ -227,7 +268,9 @@ class Tensor3DFabricMixin(GridStrategy):
         """``module`` on the grid, in place: parallelized by the plan, or, made of 3-D layers already, materialised
         and moved to this rank's device; ``async_tp`` set on its options."""
         if isinstance(module, DistributedDataParallel):
-            raise TypeError("pass fabric.setup the model itself, not wrapped in DistributedDataParallel: the strategy wraps it over dp")
+            raise TypeError(
+                "pass fabric.setup the model itself, not wrapped in DistributedDataParallel: the strategy wraps it over dp"
+            )
         with same_on_every_rank():
             if any(isinstance(m, Module3D) for m in module.modules()):
                 materialize_(module, self.root_device)
@@ -245,7 +288,9 @@ class Tensor3DFabricMixin(GridStrategy):
             return self.ddp_over_dp(module, self._determine_ddp_device_ids())
         return module
 
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler=None):
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler=None
+    ):
         """As :meth:`setup_module`; each optimizer, made for the model before it went on the grid, is moved onto
         its 3-D parameters by name."""
         names = {id(p): name for name, p in module.named_parameters()}
@@ -260,26 +305,48 @@ class Tensor3DFabricMixin(GridStrategy):
         self.shard_optimizer_state(optimizer)
         return optimizer
 
-    def clip_gradients_norm(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0,
-                            error_if_nonfinite: bool = True) -> torch.Tensor:
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
         """Clip by the model's global norm (each distinct shard counted once); returns that norm, the same on every rank."""
         self.precision.unscale_gradients(optimizer)
-        return clip_grad_norm_(self.precision.main_params(optimizer), max_norm, self.grid, norm_type,
-                               error_if_nonfinite=error_if_nonfinite)
+        return clip_grad_norm_(
+            self.precision.main_params(optimizer),
+            max_norm,
+            self.grid,
+            norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+        )
 
     # ----- checkpoints -----
 
-    def _split(self, state: dict[str, Any]) -> tuple[str, nn.Module, list[tuple[str, torch.optim.Optimizer]], dict[str, Any]]:
+    def _split(
+        self, state: dict[str, Any]
+    ) -> tuple[str, nn.Module, list[tuple[str, torch.optim.Optimizer]], dict[str, Any]]:
         modules = [k for k, v in state.items() if isinstance(v, nn.Module)]
         if len(modules) != 1:
-            raise ValueError(f"the tensor3d checkpoint holds one model: state must have exactly one nn.Module "
-                             f"({{'model': model, 'optimizer': optimizer, ...}}), got {len(modules)}: {modules}")
+            raise ValueError(
+                f"the tensor3d checkpoint holds one model: state must have exactly one nn.Module "
+                f"({{'model': model, 'optimizer': optimizer, ...}}), got {len(modules)}: {modules}"
+            )
         optimizers = [(k, v) for k, v in state.items() if isinstance(v, torch.optim.Optimizer)]
-        rest = {k: v for k, v in state.items() if k != modules[0] and not isinstance(v, torch.optim.Optimizer)}
+        rest = {
+            k: v for k, v in state.items() if k != modules[0] and not isinstance(v, torch.optim.Optimizer)
+        }
         return modules[0], _bare(state[modules[0]]), optimizers, rest
 
-    def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
-                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+    def save_checkpoint(
+        self,
+        path,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
         """A sharded checkpoint directory at ``path`` (``lightning_3d.checkpoint``); collective over the world.
 
         ``state``: one model, its optimizers, and anything else: objects with ``state_dict()`` /
@@ -287,18 +354,30 @@ class Tensor3DFabricMixin(GridStrategy):
         counters, tensors, containers of plain values) as they are, in ``meta.pt``.
         """
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with torch.distributed.checkpoint")
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with torch.distributed.checkpoint"
+            )
         if filter is not None:
-            raise NotImplementedError(f"{type(self).__name__} saves every tensor of the model, sharded: it takes no filter")
+            raise NotImplementedError(
+                f"{type(self).__name__} saves every tensor of the model, sharded: it takes no filter"
+            )
         path = Path(self.broadcast(str(path)))
         key, module, optimizers, rest = self._split(state)
         names = ckpt.parameter_names(module)
         meta = {k: v.state_dict() if _is_stateful(v) else v for k, v in rest.items()}
         meta[FABRIC_STATE_KEY] = {"module": key, "optimizers": [k for k, _ in optimizers]}
-        save_sharded(path, module, self.grid, ckpt.model_state(module, self.grid),
-                     [ckpt.optimizer_state(optimizer, names, self.grid) for _, optimizer in optimizers], meta)
+        save_sharded(
+            path,
+            module,
+            self.grid,
+            ckpt.model_state(module, self.grid),
+            [ckpt.optimizer_state(optimizer, names, self.grid) for _, optimizer in optimizers],
+            meta,
+        )
 
-    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path, state=None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Restore ``state`` in place from a checkpoint written on any grid, by Fabric or the Trainer strategy.
 
         The model's tensors, each optimizer's state (the checkpoint's optimizer saved under the same
@@ -313,23 +392,31 @@ class Tensor3DFabricMixin(GridStrategy):
             CheckpointError: an incomplete, altered or unsafe checkpoint, or another model's.
         """
         if not state:
-            raise ValueError(f"{type(self).__name__}.load_checkpoint needs the objects to restore: "
-                             "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})")
+            raise ValueError(
+                f"{type(self).__name__}.load_checkpoint needs the objects to restore: "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})"
+            )
         path = Path(self.broadcast(str(path)))
         if isinstance(state, nn.Module):
             ckpt.load_model_(_bare(state), self.grid, path, strict=strict)
             return {}
         if isinstance(state, torch.optim.Optimizer):
-            raise NotImplementedError(f"{type(self).__name__} loads an optimizer together with its model: "
-                                      "fabric.load(path, {'model': model, 'optimizer': optimizer})")
+            raise NotImplementedError(
+                f"{type(self).__name__} loads an optimizer together with its model: "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer})"
+            )
         _, module, optimizers, rest = self._split(state)
         meta = load_meta(path, trusted=weights_only is False)
         missing = sorted(k for k in rest if k not in meta)
         if strict and missing:
-            raise KeyError(f"{path} holds no {missing} (it holds {sorted(k for k in meta if k not in _PRIVATE_META)}); "
-                           "load with strict=False to restore the rest")
+            raise KeyError(
+                f"{path} holds no {missing} (it holds {sorted(k for k in meta if k not in _PRIVATE_META)}); "
+                "load with strict=False to restore the rest"
+            )
         saved = meta.get(FABRIC_STATE_KEY, {}).get("optimizers", [])
-        indices = {saved.index(k) if k in saved else i: optimizer for i, (k, optimizer) in enumerate(optimizers)}
+        indices = {
+            saved.index(k) if k in saved else i: optimizer for i, (k, optimizer) in enumerate(optimizers)
+        }
         load_sharded(path, module, self.grid, indices, self.holds_state, meta, strict=strict)
         for k, value in rest.items():
             if k not in meta:
@@ -356,8 +443,10 @@ class Tensor3DFabricMixin(GridStrategy):
             ValueError: ``checkpoint_on_preemption`` was given but ``state`` was not.
         """
         if self.checkpoint_on_preemption is not None and state is None:
-            raise ValueError(f"check_preemption(state) needs the state to save to checkpoint_on_preemption={str(self.checkpoint_on_preemption)!r}: "
-                             "pass what fabric.save would take ({'model': model, 'optimizer': optimizer, ...})")
+            raise ValueError(
+                f"check_preemption(state) needs the state to save to checkpoint_on_preemption={str(self.checkpoint_on_preemption)!r}: "
+                "pass what fabric.save would take ({'model': model, 'optimizer': optimizer, ...})"
+            )
         if self._watch is None:
             self._watch = PreemptionWatch(self.global_rank)
             self._watch.install(self._timeout)
@@ -368,9 +457,17 @@ class Tensor3DFabricMixin(GridStrategy):
 
     def _stop(self, signum: int, rank: int, state: dict[str, Any] | None) -> None:
         path = self.checkpoint_on_preemption
-        message = stop_message(signum, rank, f"check_preemption call {self._steps}", path,
-                               resume="fabric.load({path!r}, state)", strategy="Tensor3DFabricStrategy")
-        self._watch.stop(signum, message, None if path is None else partial(self.save_checkpoint, path, state))
+        message = stop_message(
+            signum,
+            rank,
+            f"check_preemption call {self._steps}",
+            path,
+            resume="fabric.load({path!r}, state)",
+            strategy="Tensor3DFabricStrategy",
+        )
+        self._watch.stop(
+            signum, message, None if path is None else partial(self.save_checkpoint, path, state)
+        )
 
     def teardown(self) -> None:
         if self._watch is not None:
@@ -380,4 +477,9 @@ class Tensor3DFabricMixin(GridStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        strategy_registry.register("tensor3d", cls, description="3-D tensor parallelism on a dp×px×py×pz grid (lightning_3d)", override=True)
+        strategy_registry.register(
+            "tensor3d",
+            cls,
+            description="3-D tensor parallelism on a dp×px×py×pz grid (lightning_3d)",
+            override=True,
+        )

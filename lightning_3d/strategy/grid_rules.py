@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -17,8 +17,13 @@ def auto_shape(n: int) -> tuple[int, int, int]:
     """The most even ``(px, py, pz)``, ``px ≥ py ≥ pz``, with ``px·py·pz = n``: 8→2×2×2, 4→2×2×1, 2→2×1×1, 12→3×2×2."""
     if n < 1:
         raise ValueError(f"cannot factor {n} ranks into a grid; need at least 1")
-    triples = [(a, b, n // (a * b)) for a in range(1, n + 1) if n % a == 0
-               for b in range(1, a + 1) if (n // a) % b == 0 and n // (a * b) <= b]
+    triples = [
+        (a, b, n // (a * b))
+        for a in range(1, n + 1)
+        if n % a == 0
+        for b in range(1, a + 1)
+        if (n // a) % b == 0 and n // (a * b) <= b
+    ]
     return min(triples)
 
 
@@ -32,10 +37,17 @@ def check_dp_arg(dp) -> str | int:
     return dp if dp == "auto" else arguments.positive_int(dp, "data_parallel_size")
 
 
-def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices_per_node: int,
-            model_shape: cost.ModelShape | None = None, async_tp: bool = False,
-            machine: cost.Machine | None = None, half_grads: bool = False,
-            grads_at_end: bool = False) -> tuple[tuple[int, int, int], int]:
+def resolve(
+    grid: str | tuple[int, int, int],
+    dp: str | int,
+    world: int,
+    devices_per_node: int,
+    model_shape: cost.ModelShape | None = None,
+    async_tp: bool = False,
+    machine: cost.Machine | None = None,
+    half_grads: bool = False,
+    grads_at_end: bool = False,
+) -> tuple[tuple[int, int, int], int]:
     """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
 
     ``grid="auto"`` with dp ``"auto"`` and a ``model_shape`` takes the cost model's fastest grid
@@ -54,26 +66,38 @@ def resolve(grid: str | tuple[int, int, int], dp: str | int, world: int, devices
     if grid == "auto":
         if dp == "auto" and model_shape is not None:
             machine = dataclasses.replace(machine or cost.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
-            shape = cost.best_grid(**dataclasses.asdict(model_shape), world=world, machine=machine, async_tp=async_tp,
-                                      half_grads=half_grads, grads_at_end=grads_at_end)
+            shape = cost.best_grid(
+                **dataclasses.asdict(model_shape),
+                world=world,
+                machine=machine,
+                async_tp=async_tp,
+                half_grads=half_grads,
+                grads_at_end=grads_at_end,
+            )
             return shape, world // math.prod(shape)
         if dp == "auto":
             cube = math.gcd(devices_per_node, world)
         elif world % dp:
-            raise ValueError(f"data_parallel_size={dp} does not divide the world size {world}; "
-                             f"pick a divisor of {world} or launch a multiple of {dp} processes")
+            raise ValueError(
+                f"data_parallel_size={dp} does not divide the world size {world}; "
+                f"pick a divisor of {world} or launch a multiple of {dp} processes"
+            )
         else:
             cube = world // dp
         return auto_shape(cube), world // cube
     cube = math.prod(grid)
     if dp == "auto":
         if world % cube:
-            raise ValueError(f"the world size {world} is not divisible by px·py·pz = {cube} of grid {grid}; "
-                             f"launch a multiple of {cube} processes or pick a grid whose product divides {world}")
+            raise ValueError(
+                f"the world size {world} is not divisible by px·py·pz = {cube} of grid {grid}; "
+                f"launch a multiple of {cube} processes or pick a grid whose product divides {world}"
+            )
         return grid, world // cube
     if dp * cube != world:
-        raise ValueError(f"world size {world} != data_parallel_size·px·py·pz = {dp}·{cube} = {dp * cube} (grid {grid}); "
-                         f"launch {dp * cube} processes or change grid / data_parallel_size")
+        raise ValueError(
+            f"world size {world} != data_parallel_size·px·py·pz = {dp}·{cube} = {dp * cube} (grid {grid}); "
+            f"launch {dp * cube} processes or change grid / data_parallel_size"
+        )
     return grid, dp
 
 

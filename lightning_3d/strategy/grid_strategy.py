@@ -11,18 +11,19 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import arguments, cost
+from ..cost import ModelShape
 from ..grid import Grid, init_grid, set_grid
 from ..options import RuntimeOptions
-from ..cost import ModelShape
 from . import grid_rules
 from .failures import ConfigurationError, same_on_every_rank
 from .replicas import GridData
@@ -49,8 +50,10 @@ def checked_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - _DDP_SET_BY_STRATEGY
     wrong = sorted(set(kwargs) - accepted)
     if wrong:
-        raise ValueError(f"Tensor3DStrategy: {wrong} are not DistributedDataParallel arguments the strategy passes on; "
-                         f"accepted: {sorted(accepted)} (device_ids and process_group are the strategy's)")
+        raise ValueError(
+            f"Tensor3DStrategy: {wrong} are not DistributedDataParallel arguments the strategy passes on; "
+            f"accepted: {sorted(accepted)} (device_ids and process_group are the strategy's)"
+        )
     return dict(kwargs)
 
 
@@ -58,7 +61,9 @@ class GridStrategy(GridData):
     """Strategy mixin: the grid arguments, the grid itself, DDP over its dp group and ZeRO-1 optimizers."""
 
     info: ClassVar[Callable[[str], None]]  # rank-zero print of the namespace
-    worker_init_function: ClassVar[Callable[..., None]]  # Lightning's pl_worker_init_function of the namespace
+    worker_init_function: ClassVar[
+        Callable[..., None]
+    ]  # Lightning's pl_worker_init_function of the namespace
 
     def take_grid_arguments(
         self,
@@ -80,9 +85,13 @@ class GridStrategy(GridData):
         self._machine = machine
         self.async_tp = arguments.flag(async_tp, "async_tp")
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
-            raise ValueError(f"zero_stage must be 0 or 1 (optimizer state sharded over dp), got {zero_stage!r}")
+            raise ValueError(
+                f"zero_stage must be 0 or 1 (optimizer state sharded over dp), got {zero_stage!r}"
+            )
         self.zero_stage = zero_stage
-        self.checkpoint_on_preemption = None if checkpoint_on_preemption is None else Path(checkpoint_on_preemption)
+        self.checkpoint_on_preemption = (
+            None if checkpoint_on_preemption is None else Path(checkpoint_on_preemption)
+        )
         self.ddp_comm_hook, self.ddp_comm_state = ddp_comm_hook, ddp_comm_state
         self.ddp_kwargs = checked_ddp_kwargs(ddp_kwargs)
         self._grid: Grid | None = None
@@ -92,14 +101,24 @@ class GridStrategy(GridData):
         """``(px, py, pz)`` and dp for this world; :class:`ConfigurationError` naming the fix when they cannot be."""
         with same_on_every_rank():
             # the model and its options are made after the grid: price the default options
-            shape, dp = grid_rules.resolve(self._grid_arg, self._dp_arg, self.world_size, self.num_processes, self._model_shape,
-                                           self.async_tp, self._machine, grid_rules.halves_gradients(self.ddp_comm_hook),
-                                           RuntimeOptions.grads_at_end)
+            shape, dp = grid_rules.resolve(
+                self._grid_arg,
+                self._dp_arg,
+                self.world_size,
+                self.num_processes,
+                self._model_shape,
+                self.async_tp,
+                self._machine,
+                grid_rules.halves_gradients(self.ddp_comm_hook),
+                RuntimeOptions.grads_at_end,
+            )
         why = None if self._model_shape is None else cost.grid_error(self._model_shape, shape, dp)
         if why is not None:
-            raise ConfigurationError(f"model_shape={self._model_shape} does not split on the {'×'.join(map(str, shape))} grid "
-                                     f"with data_parallel_size={dp}: {why} != 0; pick a grid whose axes divide it, "
-                                     f"or grid='auto' to let the cost model choose")
+            raise ConfigurationError(
+                f"model_shape={self._model_shape} does not split on the {'×'.join(map(str, shape))} grid "
+                f"with data_parallel_size={dp}: {why} != 0; pick a grid whose axes divide it, "
+                f"or grid='auto' to let the cost model choose"
+            )
         return shape, dp
 
     def start_grid(self) -> Grid:
@@ -108,8 +127,10 @@ class GridStrategy(GridData):
         self._grid = _grid(shape, dp, self.root_device.type, self._timeout)
         set_grid(self._grid)
         px, py, pz = shape
-        self.info(f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, async_tp={self.async_tp}"
-                  f", across nodes: {'+'.join(self._grid.axes_across_nodes) or 'nothing'}")
+        self.info(
+            f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, async_tp={self.async_tp}"
+            f", across nodes: {'+'.join(self._grid.axes_across_nodes) or 'nothing'}"
+        )
         return self._grid
 
     def seed_workers_by_dp(self, dataloader: object) -> object:
@@ -125,7 +146,9 @@ class GridStrategy(GridData):
     def ddp_over_dp(self, module: torch.nn.Module, device_ids: list[int] | None) -> DistributedDataParallel:
         """``module`` in DDP over the dp group (it averages gradients over the replicas of each shard only), with
         ``ddp_comm_hook`` registered (its state defaults to the dp group)."""
-        ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=self.grid.group("dp"), **self.ddp_kwargs)
+        ddp = DistributedDataParallel(
+            module, device_ids=device_ids, process_group=self.grid.group("dp"), **self.ddp_kwargs
+        )
         if self.ddp_comm_hook is not None:
             state = self.ddp_comm_state if self.ddp_comm_state is not None else self.grid.group("dp")
             ddp.register_comm_hook(state, self.ddp_comm_hook)

@@ -59,8 +59,10 @@ def on_grid(plugin, classes: dict[type, type]):
         return plugin
     cls = classes.get(type(plugin))
     if cls is None:
-        raise ValueError(f"the tensor3d strategy supports the precisions {SUPPORTED} (it clips gradients by the global 3-D "
-                         f"norm through its own plugins); got the plugin {type(plugin).__qualname__}: pass Trainer(precision=...) instead")
+        raise ValueError(
+            f"the tensor3d strategy supports the precisions {SUPPORTED} (it clips gradients by the global 3-D "
+            f"norm through its own plugins); got the plugin {type(plugin).__qualname__}: pass Trainer(precision=...) instead"
+        )
     return cls(**{name: getattr(plugin, name) for name in inspect.signature(cls).parameters})
 
 
@@ -78,9 +80,11 @@ def fabric_precision(plugin, supported: tuple[type, ...]):
     if plugin is None:
         return plugin
     if type(plugin) not in supported:
-        raise ValueError(f"the tensor3d Fabric strategy supports the precisions {FABRIC_SUPPORTED}; got the plugin "
-                         f"{type(plugin).__qualname__}, which replaces the model's layers (Transformer Engine, bitsandbytes: the 3-D "
-                         "layers replace them themselves) or belongs to another strategy: pass Fabric(precision=...) with one of those")
+        raise ValueError(
+            f"the tensor3d Fabric strategy supports the precisions {FABRIC_SUPPORTED}; got the plugin "
+            f"{type(plugin).__qualname__}, which replaces the model's layers (Transformer Engine, bitsandbytes: the 3-D "
+            "layers replace them themselves) or belongs to another strategy: pass Fabric(precision=...) with one of those"
+        )
     if getattr(plugin, "scaler", None) is not None:
         plugin.scaler = agreed_scaler(plugin.scaler, plugin.device)
     return plugin

@@ -22,9 +22,10 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -93,10 +94,15 @@ class PreemptionWatch:
     def _note(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.signum:
-            _exit_now(f"tensor3d: rank {self.rank} received {name} again while stopping; exiting now", 128 + signum)
+            _exit_now(
+                f"tensor3d: rank {self.rank} received {name} again while stopping; exiting now", 128 + signum
+            )
         self.signum = signum
-        self.deadline(f"tensor3d: rank {self.rank} received {name} but the ranks did not stop within "
-                      f"{self.grace.total_seconds():.0f} s; exiting now", 128 + signum)
+        self.deadline(
+            f"tensor3d: rank {self.rank} received {name} but the ranks did not stop within "
+            f"{self.grace.total_seconds():.0f} s; exiting now",
+            128 + signum,
+        )
 
     def deadline(self, message: str, status: int) -> None:
         """End this process with ``message`` unless it has exited within ``grace``."""
@@ -116,14 +122,20 @@ class PreemptionWatch:
             result = (int(vote[0]), int(vote[1])) if vote[0] else None
         if result is None:
             vote = torch.tensor([self.signum, self.rank if self.signum else -1])
-            self._pending = (dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group, async_op=True), vote)
+            self._pending = (
+                dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group, async_op=True),
+                vote,
+            )
         return result
 
     def stop(self, signum: int, message: str, save: Callable[[], None] | None = None) -> NoReturn:
         """At the step the ranks agreed on, on every rank: ``save`` (the checkpoint asked for, if any), rank 0 prints
         ``message``, then :class:`Preempted`; a stop that stalls past ``grace`` ends this process."""
-        self.deadline(f"tensor3d: rank {self.rank}: stopping after {signal.Signals(signum).name} took more than "
-                      f"{self.grace.total_seconds():.0f} s (a peer died or stalled); exiting now", 128 + signum)
+        self.deadline(
+            f"tensor3d: rank {self.rank}: stopping after {signal.Signals(signum).name} took more than "
+            f"{self.grace.total_seconds():.0f} s (a peer died or stalled); exiting now",
+            128 + signum,
+        )
         if save is not None:
             save()
         if self.rank == 0:
@@ -137,13 +149,22 @@ class PreemptionWatch:
             self._pending = None
 
 
-def stop_message(signum: int, rank: int, at: str, checkpoint: Path | None,
-                 resume: str = "Trainer.fit(..., ckpt_path={path!r})", strategy: str = "Tensor3DStrategy") -> str:
+def stop_message(
+    signum: int,
+    rank: int,
+    at: str,
+    checkpoint: Path | None,
+    resume: str = "Trainer.fit(..., ckpt_path={path!r})",
+    strategy: str = "Tensor3DStrategy",
+) -> str:
     """What rank 0 says when the ranks stop ``at`` a step (``"global step 3"``); ``resume`` names the call
     that resumes from ``{path}``, ``strategy`` the class that takes ``checkpoint_on_preemption``."""
     name = signal.Signals(signum).name
-    saved = (f"saved a checkpoint to {checkpoint}; resume with {resume.format(path=str(checkpoint))}"
-             if checkpoint is not None else f"no checkpoint was asked for ({strategy}(checkpoint_on_preemption=...))")
+    saved = (
+        f"saved a checkpoint to {checkpoint}; resume with {resume.format(path=str(checkpoint))}"
+        if checkpoint is not None
+        else f"no checkpoint was asked for ({strategy}(checkpoint_on_preemption=...))"
+    )
     return f"tensor3d: rank {rank} received {name}; every rank stopped at {at} and {saved}"
 
 
@@ -159,7 +180,9 @@ class StopOnPreemption:
     def on_train_start(self) -> None:
         super().on_train_start()
         self._watch = PreemptionWatch(self.global_rank)
-        self._watch.install(self._timeout)  # after Lightning's own SIGTERM handler, which it replaces during training
+        self._watch.install(
+            self._timeout
+        )  # after Lightning's own SIGTERM handler, which it replaces during training
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)

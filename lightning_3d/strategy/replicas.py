@@ -19,7 +19,12 @@ import torch.distributed.nn.functional as dist_fn
 
 from ..grid import Grid
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
 
 
 def all_reduce(tensor: torch.Tensor, group=None, reduce_op: str | dist.ReduceOp = "sum") -> torch.Tensor:
@@ -33,7 +38,9 @@ def all_reduce(tensor: torch.Tensor, group=None, reduce_op: str | dist.ReduceOp 
     name = reduce_op.lower() if isinstance(reduce_op, str) else None
     mean = name in ("mean", "avg")
     if name is not None and not mean and name not in _OPS:
-        raise ValueError(f"reduce_op must be one of 'sum', 'mean', 'avg', 'max', 'min', 'product' or a ReduceOp, got {reduce_op!r}")
+        raise ValueError(
+            f"reduce_op must be one of 'sum', 'mean', 'avg', 'max', 'min', 'product' or a ReduceOp, got {reduce_op!r}"
+        )
     op = reduce_op if name is None else dist.ReduceOp.SUM if mean else _OPS[name]
     dist.all_reduce(tensor, op=op, group=group)
     if mean:
@@ -51,8 +58,10 @@ class GridData:
     def grid(self) -> Grid:
         """The process grid (exists once the processes are set up: before ``configure_model``, or at ``Fabric.launch``)."""
         if self._grid is None:
-            raise RuntimeError(f"{type(self).__name__}.grid exists once the processes are set up "
-                               "(Trainer.fit/validate/test/predict, or Fabric.launch)")
+            raise RuntimeError(
+                f"{type(self).__name__}.grid exists once the processes are set up "
+                "(Trainer.fit/validate/test/predict, or Fabric.launch)"
+            )
         return self._grid
 
     @property
@@ -73,7 +82,9 @@ class GridReplicas(GridData):
             return tensor
         return all_reduce(tensor, self._replicas(group), reduce_op)
 
-    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
         """Gather over the dp group by default: ``[dp, ...]``, one entry per replica."""
         if not dist.is_initialized():
             return tensor

@@ -22,7 +22,9 @@ def global_numel(param) -> int:
     spec = get_spec(param)
     if spec is not None:
         return math.prod(spec.global_shape)
-    return getattr(param, "ds_numel", param.numel())  # a plain parameter that ZeRO-3 partitioned keeps its size there
+    return getattr(
+        param, "ds_numel", param.numel()
+    )  # a plain parameter that ZeRO-3 partitioned keeps its size there
 
 
 def dense_numels(module: nn.Module) -> dict[int, int]:
@@ -30,7 +32,7 @@ def dense_numels(module: nn.Module) -> dict[int, int]:
     out = {}
     for sub in module.modules():
         declared = getattr(sub, "dense_shapes", None)
-        for name, shape in (declared.items() if isinstance(declared, dict) else ()):
+        for name, shape in declared.items() if isinstance(declared, dict) else ():
             param = dict(sub.named_parameters()).get(name)
             if param is not None:
                 out[id(param)] = math.prod(shape)
@@ -39,7 +41,11 @@ def dense_numels(module: nn.Module) -> dict[int, int]:
 
 def global_count(module: nn.Module, dense: dict[int, int], trainable_only: bool = False) -> int:
     """Parameters of ``module`` in the dense model (each shared parameter once); ``dense`` from :func:`dense_numels`."""
-    return sum(dense.get(id(p), global_numel(p)) for p in module.parameters() if p.requires_grad or not trainable_only)
+    return sum(
+        dense.get(id(p), global_numel(p))
+        for p in module.parameters()
+        if p.requires_grad or not trainable_only
+    )
 
 
 class GlobalCounts:
@@ -74,7 +80,9 @@ class GlobalSummaryCallback:
 class SummariseGlobally:
     """Strategy mixin: :meth:`summarise_globally` swaps Lightning's summary callbacks for their full-model subclasses."""
 
-    summary_callbacks: dict[type, type]  # Lightning's callback class → its subclass mixing in GlobalSummaryCallback
+    summary_callbacks: dict[
+        type, type
+    ]  # Lightning's callback class → its subclass mixing in GlobalSummaryCallback
 
     def summarise_globally(self, trainer) -> None:
         """Replace each of ``trainer``'s summary callbacks by the subclass of the same settings (``_max_depth``, ``_summarize_kwargs``)."""

@@ -47,7 +47,10 @@ class ShardedOptimizerState:
         self.params = _unique_params(optimizer)
         self.owner = partition(self.params, grid.data_parallel_size)
         self._full_groups: list[list[torch.Tensor]] = []
-        self._hooks = (optimizer.register_step_pre_hook(self._narrow), optimizer.register_step_post_hook(self._restore_and_broadcast))
+        self._hooks = (
+            optimizer.register_step_pre_hook(self._narrow),
+            optimizer.register_step_post_hook(self._restore_and_broadcast),
+        )
 
     def holds_state(self, param: torch.Tensor) -> bool:
         """Whether this dp rank keeps ``param``'s optimizer state and updates it."""

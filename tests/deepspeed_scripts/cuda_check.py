@@ -37,7 +37,10 @@ def fp16_job(shape):
 
     grid = harness.grid(shape)
     dense = dense_model(seed=1)
-    config = {**ds_config(shape, 1, grid.data_parallel_size), "fp16": {"enabled": True, "initial_scale_power": 8}}
+    config = {
+        **ds_config(shape, 1, grid.data_parallel_size),
+        "fp16": {"enabled": True, "initial_scale_power": 8},
+    }
     engine, *_ = deepspeed_3d.initialize(model=model_3d(dense, grid), config=config)
     _, ref_norms, _ = dense_run(dense, grid.data_parallel_size)
     norms = []
@@ -57,8 +60,12 @@ def main() -> None:
     dist.broadcast_object_list(box)
     root = box[0]
     stages = (1, 2, 3)
-    results = {"train": training_job((1, 1, 2), stages, root), "bf16": bf16_job((1, 1, 2), (1, 3)),
-               "gpt": gpt_job((2, 1, 1), 2, root), "fp16": fp16_job((1, 1, 2))}
+    results = {
+        "train": training_job((1, 1, 2), stages, root),
+        "bf16": bf16_job((1, 1, 2), (1, 3)),
+        "gpt": gpt_job((2, 1, 1), 2, root),
+        "fp16": fp16_job((1, 1, 2)),
+    }
     gathered = [None] * dist.get_world_size()
     dist.gather_object(results, gathered if dist.get_rank() == 0 else None)
     if dist.get_rank() == 0:

@@ -41,7 +41,9 @@ class Module(L.LightningModule):
         self.seed, self.losses = seed, []
 
     def configure_model(self):
-        with torch.device("cpu"):  # the dense weights from the CPU generator, as in the reference (on GPU too)
+        with torch.device(
+            "cpu"
+        ):  # the dense weights from the CPU generator, as in the reference (on GPU too)
             dense = dense_model(self.seed)
         self.model = model_3d(dense, self.grid)
 
@@ -63,16 +65,20 @@ class Module(L.LightningModule):
 def dataset() -> TensorDataset:
     """One epoch = RESUME_AT steps of dp micro-batches, so the checkpoint falls on an epoch boundary."""
     g = torch.Generator().manual_seed(7)
-    return TensorDataset(torch.randn(RESUME_AT * DP * B, S, N, generator=g), torch.randn(RESUME_AT * DP * B, S, N, generator=g))
+    return TensorDataset(
+        torch.randn(RESUME_AT * DP * B, S, N, generator=g), torch.randn(RESUME_AT * DP * B, S, N, generator=g)
+    )
 
 
 def micro_batches(step: int) -> list[list[int]]:
     """Sample indices of each replica at ``step``: Lightning's shuffled DistributedSampler (seed 0) over dp."""
-    samplers = [DistributedSampler(dataset(), num_replicas=DP, rank=r, shuffle=True, seed=0) for r in range(DP)]
+    samplers = [
+        DistributedSampler(dataset(), num_replicas=DP, rank=r, shuffle=True, seed=0) for r in range(DP)
+    ]
     for sampler in samplers:
         sampler.set_epoch(step // RESUME_AT)
     k = step % RESUME_AT
-    return [list(sampler)[k * B:(k + 1) * B] for sampler in samplers]
+    return [list(sampler)[k * B : (k + 1) * B] for sampler in samplers]
 
 
 def dense_reference(dp_rank: int) -> tuple[list[float], float]:
@@ -108,9 +114,19 @@ def trainer(epochs: int, tmp: Path, by_name: bool, summary: bool = False) -> L.T
         os.environ["PL_DEEPSPEED_CONFIG_PATH"] = str(path)
         strategy = "tensor3d_deepspeed"
     else:
-        strategy = deepspeed_3d.Tensor3DDeepSpeedStrategy(config=copy.deepcopy(CONFIG), timeout=datetime.timedelta(seconds=120))  # Lightning edits it
-    return L.Trainer(accelerator=ACCELERATOR, devices=DP * 2, strategy=strategy, max_epochs=epochs, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=summary)
+        strategy = deepspeed_3d.Tensor3DDeepSpeedStrategy(
+            config=copy.deepcopy(CONFIG), timeout=datetime.timedelta(seconds=120)
+        )  # Lightning edits it
+    return L.Trainer(
+        accelerator=ACCELERATOR,
+        devices=DP * 2,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=summary,
+    )
 
 
 class SignalRankOne(L.Callback):
@@ -137,16 +153,33 @@ def main(tmp: Path) -> None:
     err = max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) if len(losses) == STEPS else float("inf")
     err = max(err, abs(val_loss - expected_val) / expected_val)
     rank = t2.global_rank
-    report = {"losses": losses, "expected": expected, "val_loss": val_loss, "expected_val": expected_val, "err": err}
+    report = {
+        "losses": losses,
+        "expected": expected,
+        "val_loss": val_loss,
+        "expected_val": expected_val,
+        "err": err,
+    }
     (tmp / f"rank{rank}.json").write_text(json.dumps(report))
     t2.strategy.barrier()
     if rank == 0:
         reports = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(t2.world_size)]
         bad = [(r, rep) for r, rep in enumerate(reports) if not rep["err"] < TOL]
         print("RESULT " + ("ok" if not bad else f"mismatch {bad}"), flush=True)
-    strategy = deepspeed_3d.Tensor3DDeepSpeedStrategy(config=copy.deepcopy(CONFIG), checkpoint_on_preemption=tmp / "preempted.ckpt")
-    t4 = L.Trainer(accelerator=ACCELERATOR, devices=DP * 2, strategy=strategy, max_epochs=2, logger=False, callbacks=[SignalRankOne()],
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    strategy = deepspeed_3d.Tensor3DDeepSpeedStrategy(
+        config=copy.deepcopy(CONFIG), checkpoint_on_preemption=tmp / "preempted.ckpt"
+    )
+    t4 = L.Trainer(
+        accelerator=ACCELERATOR,
+        devices=DP * 2,
+        strategy=strategy,
+        max_epochs=2,
+        logger=False,
+        callbacks=[SignalRankOne()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     t4.fit(Module(seed=0), loader)  # ends the process: SystemExit(143)
 
 

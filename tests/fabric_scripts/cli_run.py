@@ -11,7 +11,9 @@ from pathlib import Path
 
 import lightning_3d  # registers "tensor3d" as each Fabric namespace is imported
 
-assert not {"lightning", "lightning_fabric", "pytorch_lightning"} & set(sys.modules), "import lightning_3d imported Lightning"
+assert not {"lightning", "lightning_fabric", "pytorch_lightning"} & set(sys.modules), (
+    "import lightning_3d imported Lightning"
+)
 
 import lightning_fabric  # noqa: E402
 import torch  # noqa: E402
@@ -36,8 +38,19 @@ if __name__ == "__main__":
     loss = model(tokens[:, :-1], tokens[:, 1:])
     fabric.backward(loss)
     opt.step()
-    registered = [lightning_3d.strategy.register(ns) is L.strategies.STRATEGY_REGISTRY["tensor3d"]["strategy"]
-                  for ns, L in (("lightning.fabric", sys.modules["lightning.fabric"]), ("lightning_fabric", lightning_fabric))]
-    record = {"registered": registered, "precision": type(fabric.strategy.precision).__name__, "strategy": f"{type(fabric.strategy).__module__}.{type(fabric.strategy).__name__}", "grid": list(fabric.strategy.grid.shape), "world": fabric.world_size,
-              "loss": fabric.all_reduce(loss.detach(), reduce_op="mean").item()}
+    registered = [
+        lightning_3d.strategy.register(ns) is L.strategies.STRATEGY_REGISTRY["tensor3d"]["strategy"]
+        for ns, L in (
+            ("lightning.fabric", sys.modules["lightning.fabric"]),
+            ("lightning_fabric", lightning_fabric),
+        )
+    ]
+    record = {
+        "registered": registered,
+        "precision": type(fabric.strategy.precision).__name__,
+        "strategy": f"{type(fabric.strategy).__module__}.{type(fabric.strategy).__name__}",
+        "grid": list(fabric.strategy.grid.shape),
+        "world": fabric.world_size,
+        "loss": fabric.all_reduce(loss.detach(), reduce_op="mean").item(),
+    }
     (out / f"cli.rank{fabric.global_rank}.json").write_text(json.dumps(record))

@@ -43,7 +43,9 @@ def main(mode: str, out: Path) -> None:
         registered = L.strategies.STRATEGY_REGISTRY["tensor3d"]["strategy"]
         assert registered.__module__ == f"lightning_3d.strategy.{namespace}", registered
     strategy = Tensor3DFabricStrategy(timeout=TIMEOUT_S, checkpoint_on_preemption=out / "preempted")
-    fabric = lightning_fabric.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=PRECISION[mode])
+    fabric = lightning_fabric.Fabric(
+        accelerator="cpu", devices=2, strategy=strategy, precision=PRECISION[mode]
+    )
     fabric.launch()
     atexit.register(lambda: (out / f"exit.rank{fabric.global_rank}").write_text(str(time.time())))
     torch.manual_seed(common.INIT_SEED)
@@ -51,7 +53,9 @@ def main(mode: str, out: Path) -> None:
         model = DenseGPT(common.config())
     # eps 1e-4: AdamW's default 1e-8 is 0 in fp16, and 16-true's first update would divide by it
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=common.LR, eps=1e-4))
-    loader = fabric.setup_dataloaders(DataLoader(common.Tokens(), batch_size=common.GLOBAL_BATCH, shuffle=True))
+    loader = fabric.setup_dataloaders(
+        DataLoader(common.Tokens(), batch_size=common.GLOBAL_BATCH, shuffle=True)
+    )
     state = {"model": model, "optimizer": opt, "step": 0}
     record = {"dtype": str(next(model.parameters()).dtype), "loss": []}
     for _ in range(3):

@@ -53,8 +53,17 @@ def write(out: Path, name: str, rank: int, record: dict) -> None:
     (out / f"{name}.rank{rank}.json").write_text(json.dumps(record))
 
 
-def fabric_run(namespace: str, out: Path, name: str, strategy, load: Path | None = None, save: Path | None = None,
-               separately: bool = False, micro_batches: int = 1, loaded: tuple[str, ...] = ("model", "optimizer", "scheduler", "step")) -> None:
+def fabric_run(
+    namespace: str,
+    out: Path,
+    name: str,
+    strategy,
+    load: Path | None = None,
+    save: Path | None = None,
+    separately: bool = False,
+    micro_batches: int = 1,
+    loaded: tuple[str, ...] = ("model", "optimizer", "scheduler", "step"),
+) -> None:
     """One Fabric loop of ``STEPS`` steps (see the module doc); ``separately``: ``setup_module`` then ``setup_optimizers``;
     ``loaded``: the entries of the state restored from ``load``."""
     L = importlib.import_module(namespace)
@@ -72,13 +81,29 @@ def fabric_run(namespace: str, out: Path, name: str, strategy, load: Path | None
         model, opt = fabric.setup(model, optimizer(model.parameters()))
     sched = scheduler(opt)
     grid = fabric.strategy.grid
-    record = {"strategy": f"{type(fabric.strategy).__module__}.{type(fabric.strategy).__name__}", "grid": list(grid.shape),
-              "dp": grid.data_parallel_size, "coords": list(grid.coords), "meta_built": meta_built,
-              "dtype": str(next(model.parameters()).dtype), "loss": [], "grad_norm": [], "batches": [], "unsynced": [], "synced": []}
+    record = {
+        "strategy": f"{type(fabric.strategy).__module__}.{type(fabric.strategy).__name__}",
+        "grid": list(grid.shape),
+        "dp": grid.data_parallel_size,
+        "coords": list(grid.coords),
+        "meta_built": meta_built,
+        "dtype": str(next(model.parameters()).dtype),
+        "loss": [],
+        "grad_norm": [],
+        "batches": [],
+        "unsynced": [],
+        "synced": [],
+    }
     if load is not None:
-        state = {k: v for k, v in {"model": model, "optimizer": opt, "scheduler": sched, "step": 0}.items() if k in loaded}
+        state = {
+            k: v
+            for k, v in {"model": model, "optimizer": opt, "scheduler": sched, "step": 0}.items()
+            if k in loaded
+        }
         remainder = fabric.load(load, state)
-        record.update(loaded_step=state.get("step"), scheduler_epoch=sched.last_epoch, remainder=sorted(remainder))
+        record.update(
+            loaded_step=state.get("step"), scheduler_epoch=sched.last_epoch, remainder=sorted(remainder)
+        )
     batch = common.GLOBAL_BATCH // grid.data_parallel_size // micro_batches
     loader = fabric.setup_dataloaders(DataLoader(common.Tokens(), batch_size=batch, shuffle=True))
     batches = iter(loader)
@@ -95,7 +120,11 @@ def fabric_run(namespace: str, out: Path, name: str, strategy, load: Path | None
             # the gradients of one shard on the two dp replicas: apart before the synced backward, equal after it
             local = torch.stack([p.grad.norm() for p in model.parameters()])
             spread = fabric.all_gather(local)  # [world, params]
-            replicas = [spread[r] for r in range(fabric.world_size) if r % grid.cube_size == fabric.global_rank % grid.cube_size]
+            replicas = [
+                spread[r]
+                for r in range(fabric.world_size)
+                if r % grid.cube_size == fabric.global_rank % grid.cube_size
+            ]
             equal = all(torch.equal(replicas[0], other) for other in replicas)
             record["synced" if last else "unsynced"].append(equal)
         record["grad_norm"].append(fabric.clip_gradients(model, opt, max_norm=common.CLIP).item())
@@ -104,12 +133,16 @@ def fabric_run(namespace: str, out: Path, name: str, strategy, load: Path | None
         opt.zero_grad()
         # the strategy's all_reduce: Fabric's own casts float64 to float32
         record["loss"].append(fabric.strategy.all_reduce(sum(losses), reduce_op="mean").item())
-    record.update(world_sum=fabric.all_reduce(torch.tensor(1.0), reduce_op="sum").item(),
-                  gathered=list(fabric.all_gather(torch.tensor(float(fabric.global_rank))).shape),
-                  broadcast=fabric.broadcast(f"from {fabric.global_rank}", src=0))
+    record.update(
+        world_sum=fabric.all_reduce(torch.tensor(1.0), reduce_op="sum").item(),
+        gathered=list(fabric.all_gather(torch.tensor(float(fabric.global_rank))).shape),
+        broadcast=fabric.broadcast(f"from {fabric.global_rank}", src=0),
+    )
     fabric.barrier()
     if save is not None:
-        fabric.save(save, {"model": model, "optimizer": opt, "scheduler": sched, "step": STEPS, "note": "fabric"})
+        fabric.save(
+            save, {"model": model, "optimizer": opt, "scheduler": sched, "step": STEPS, "note": "fabric"}
+        )
     write(out, name, fabric.global_rank, record)
 
 
@@ -128,7 +161,9 @@ def trainer_run(out: Path, name: str, strategy, ckpt_path: Path) -> None:
                 self.model = GPT3D(common.config())
 
         def train_dataloader(self):
-            return DataLoader(common.Tokens(), batch_size=common.GLOBAL_BATCH // self.grid.data_parallel_size, shuffle=True)
+            return DataLoader(
+                common.Tokens(), batch_size=common.GLOBAL_BATCH // self.grid.data_parallel_size, shuffle=True
+            )
 
         def training_step(self, batch, batch_idx):
             _, tokens = batch
@@ -142,9 +177,22 @@ def trainer_run(out: Path, name: str, strategy, ckpt_path: Path) -> None:
         def configure_optimizers(self):
             return optimizer(self.parameters())
 
-    save = pl.callbacks.ModelCheckpoint(dirpath=out / name, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
-    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, precision="64-true", max_epochs=1, gradient_clip_val=common.CLIP,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out, callbacks=[save])
+    save = pl.callbacks.ModelCheckpoint(
+        dirpath=out / name, filename="{epoch}", save_top_k=-1, every_n_epochs=1
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=strategy,
+        precision="64-true",
+        max_epochs=1,
+        gradient_clip_val=common.CLIP,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        callbacks=[save],
+    )
     module = Module()
     trainer.fit(module, ckpt_path=ckpt_path)
     write(out, name, trainer.global_rank, {**module.record, "grid": list(trainer.strategy.grid.shape)})
@@ -152,14 +200,28 @@ def trainer_run(out: Path, name: str, strategy, ckpt_path: Path) -> None:
 
 def world4(out: Path) -> None:
     from lightning_3d import Tensor3DFabricStrategy, Tensor3DStrategy
-    from lightning_3d.strategy.lightning_fabric import Tensor3DFabricStrategy as FabricStrategyOfLightningFabric
+    from lightning_3d.strategy.lightning_fabric import (
+        Tensor3DFabricStrategy as FabricStrategyOfLightningFabric,
+    )
 
-    fabric_run("lightning.fabric", out, "F1", Tensor3DFabricStrategy(grid=(2, 1, 1), data_parallel_size=2, zero_stage=1),
-               save=out / "F1", micro_batches=2)
+    fabric_run(
+        "lightning.fabric",
+        out,
+        "F1",
+        Tensor3DFabricStrategy(grid=(2, 1, 1), data_parallel_size=2, zero_stage=1),
+        save=out / "F1",
+        micro_batches=2,
+    )
     fabric_run("lightning.fabric", out, "F2", "tensor3d", load=out / "F1", separately=True)
     trainer_run(out, "T", Tensor3DStrategy(grid=(1, 2, 2)), out / "F1")
-    fabric_run("lightning_fabric", out, "F3", FabricStrategyOfLightningFabric(grid=(1, 1, 1), data_parallel_size=4, plan=gpt_plan(common.config())),
-               load=out / "T" / "epoch=0.ckpt", loaded=("model", "optimizer"))
+    fabric_run(
+        "lightning_fabric",
+        out,
+        "F3",
+        FabricStrategyOfLightningFabric(grid=(1, 1, 1), data_parallel_size=4, plan=gpt_plan(common.config())),
+        load=out / "T" / "epoch=0.ckpt",
+        loaded=("model", "optimizer"),
+    )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,13 @@ class Misfit(pl.LightningModule):
 
 
 if __name__ == "__main__":
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=Tensor3DStrategy(grid=(2, 1, 1), timeout=60), max_steps=1,
-                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=Tensor3DStrategy(grid=(2, 1, 1), timeout=60),
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Misfit())

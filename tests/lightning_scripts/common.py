@@ -78,8 +78,15 @@ def module_class(namespace: str):
             super().__init__()
             self.save_hyperparameters()
             self.model = None
-            self.record = {"loss": [], "grad_norm": [], "batches": [], "seqs": [], "all_gather": None, "reduce_sum": None,
-                           "draws": []}
+            self.record = {
+                "loss": [],
+                "grad_norm": [],
+                "batches": [],
+                "seqs": [],
+                "all_gather": None,
+                "reduce_sum": None,
+                "draws": [],
+            }
 
         def configure_model(self):
             if self.model is None:
@@ -88,8 +95,11 @@ def module_class(namespace: str):
 
         def train_dataloader(self):
             workers = self.hparams.workers
-            return DataLoader(WithDraws(Tokens()) if workers else Tokens(), batch_size=GLOBAL_BATCH // self.grid.data_parallel_size,
-                              num_workers=workers)
+            return DataLoader(
+                WithDraws(Tokens()) if workers else Tokens(),
+                batch_size=GLOBAL_BATCH // self.grid.data_parallel_size,
+                num_workers=workers,
+            )
 
         def training_step(self, batch, batch_idx):
             index, tokens, *draws = batch
@@ -99,8 +109,12 @@ def module_class(namespace: str):
             self.record["loss"].append(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean").item())
             self.log("seqs", float(len(index)), reduce_fx="sum", sync_dist=True, on_step=True, on_epoch=False)
             if self.record["all_gather"] is None:
-                self.record["all_gather"] = self.all_gather(torch.tensor([float(self.grid.coord("dp"))])).tolist()
-                self.record["reduce_sum"] = self.trainer.strategy.reduce(torch.tensor(1.0), reduce_op="sum").item()
+                self.record["all_gather"] = self.all_gather(
+                    torch.tensor([float(self.grid.coord("dp"))])
+                ).tolist()
+                self.record["reduce_sum"] = self.trainer.strategy.reduce(
+                    torch.tensor(1.0), reduce_op="sum"
+                ).item()
             return loss
 
         def validation_step(self, batch, batch_idx):
@@ -120,8 +134,21 @@ def module_class(namespace: str):
     return LitGPT
 
 
-def fit(namespace: str, out: Path, name: str, strategy, epochs: int, devices: int, dropout: float = 0.0, ckpt_path=None,
-        callbacks=(), precision="32-true", summary=False, ckpt_dir=None, workers=0):
+def fit(
+    namespace: str,
+    out: Path,
+    name: str,
+    strategy,
+    epochs: int,
+    devices: int,
+    dropout: float = 0.0,
+    ckpt_path=None,
+    callbacks=(),
+    precision="32-true",
+    summary=False,
+    ckpt_dir=None,
+    workers=0,
+):
     """One ``Trainer.fit`` with a checkpoint at every epoch end under ``ckpt_dir`` (default ``out/name``); writes
     ``out/name.rank<r>.json``.
 
@@ -129,18 +156,32 @@ def fit(namespace: str, out: Path, name: str, strategy, epochs: int, devices: in
     """
     pl = importlib.import_module(namespace)
     save_every_epoch = importlib.import_module(f"{namespace}.callbacks").ModelCheckpoint(
-        dirpath=ckpt_dir or out / name, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+        dirpath=ckpt_dir or out / name, filename="{epoch}", save_top_k=-1, every_n_epochs=1
+    )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_epochs=epochs, gradient_clip_val=CLIP,
-        logger=False, enable_progress_bar=False, enable_model_summary=summary, default_root_dir=out,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision=precision,
+        max_epochs=epochs,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=summary,
+        default_root_dir=out,
         callbacks=[save_every_epoch, *callbacks],
     )
     module = module_class(namespace)(dropout, workers)
     trainer.fit(module, ckpt_path=ckpt_path)
     strategy = trainer.strategy
-    record = {**module.record, "grid": list(strategy.grid.shape), "dp": strategy.grid.data_parallel_size,
-              "coords": list(strategy.grid.coords), "strategy": f"{type(strategy).__module__}.{type(strategy).__name__}",
-              "global_step": trainer.global_step}
+    record = {
+        **module.record,
+        "grid": list(strategy.grid.shape),
+        "dp": strategy.grid.data_parallel_size,
+        "coords": list(strategy.grid.coords),
+        "strategy": f"{type(strategy).__module__}.{type(strategy).__name__}",
+        "global_step": trainer.global_step,
+    }
     (out / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
     return trainer, module
 

@@ -14,10 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import common
 import torch
 from torch.utils.data import DataLoader, Dataset
-
-import common
 
 common.quiet()
 
@@ -29,8 +28,16 @@ def llama():
     """The model, drawn in float64 from ``INIT_SEED`` (whatever the default dtype: Lightning's 64-true sets it)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(INIT_SEED)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float64)
 
@@ -48,8 +55,12 @@ class Padded(Dataset):
         return len(self.ids)
 
     def __getitem__(self, i):
-        return {"index": i, "input_ids": self.ids[i], "attention_mask": self.mask[i],
-                "labels": self.ids[i].masked_fill(self.mask[i] == 0, -100)}
+        return {
+            "index": i,
+            "input_ids": self.ids[i],
+            "attention_mask": self.mask[i],
+            "labels": self.ids[i].masked_fill(self.mask[i] == 0, -100),
+        }
 
 
 def optimizer(params):
@@ -83,13 +94,24 @@ def main(out: Path) -> None:
         def configure_optimizers(self):
             return optimizer(self.parameters())
 
-    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=Tensor3DStrategy(grid=(1, 2, 1), data_parallel_size=2),
-                         precision="64-true", max_steps=STEPS, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=out)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=Tensor3DStrategy(grid=(1, 2, 1), data_parallel_size=2),
+        precision="64-true",
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=out,
+    )
     module = LitHF()
     trainer.fit(module)
     save_pretrained(module.model, out / "trained")
-    trainer.save_checkpoint(out / "last.ckpt")  # the strategy's sharded checkpoint (LightningModule keys: "model." ...)
+    trainer.save_checkpoint(
+        out / "last.ckpt"
+    )  # the strategy's sharded checkpoint (LightningModule keys: "model." ...)
     record = {**module.record, "dp_rank": module.grid.coord("dp")}
     (out / f"hf.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

@@ -41,4 +41,12 @@ class KillRank(pl.Callback):
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     pl.seed_everything(common.SEED)
-    common.fit("lightning.pytorch", out, "killed", Tensor3DStrategy(timeout=TIMEOUT_S), epochs=3, devices=2, callbacks=[KillRank(out)])
+    common.fit(
+        "lightning.pytorch",
+        out,
+        "killed",
+        Tensor3DStrategy(timeout=TIMEOUT_S),
+        epochs=3,
+        devices=2,
+        callbacks=[KillRank(out)],
+    )

@@ -26,13 +26,21 @@ import torch.distributed as dist
 from lightning_3d.grid import node_name
 
 common.quiet()
-TIMEOUT = datetime.timedelta(seconds=150)  # the rendezvous waits for every process to import Lightning: over 60 s on a loaded 2-core machine
+TIMEOUT = datetime.timedelta(
+    seconds=150
+)  # the rendezvous waits for every process to import Lightning: over 60 s on a loaded 2-core machine
 STEPS = 3
 
 
 def _place(grid) -> dict:
-    return {"grid": list(grid.shape), "dp": grid.data_parallel_size, "coords": list(grid.coords),
-            "axes_across_nodes": list(grid.axes_across_nodes), "node": node_name(), "rank": dist.get_rank()}
+    return {
+        "grid": list(grid.shape),
+        "dp": grid.data_parallel_size,
+        "coords": list(grid.coords),
+        "axes_across_nodes": list(grid.axes_across_nodes),
+        "node": node_name(),
+        "rank": dist.get_rank(),
+    }
 
 
 def lightning(out: Path) -> None:
@@ -41,21 +49,35 @@ def lightning(out: Path) -> None:
     from lightning_3d import Tensor3DStrategy
 
     pl.seed_everything(common.SEED)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, strategy=Tensor3DStrategy(timeout=TIMEOUT), max_epochs=1,
-                         gradient_clip_val=common.CLIP, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, default_root_dir=out)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        num_nodes=2,
+        strategy=Tensor3DStrategy(timeout=TIMEOUT),
+        max_epochs=1,
+        gradient_clip_val=common.CLIP,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=out,
+    )
     module = common.module_class("lightning.pytorch")()
     trainer.fit(module)
-    record = {**_place(trainer.strategy.grid), "loss": module.record["loss"], "batches": module.record["batches"]}
+    record = {
+        **_place(trainer.strategy.grid),
+        "loss": module.record["loss"],
+        "batches": module.record["batches"],
+    }
     (out / f"lightning.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 def _batches(dp: int, d: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The first STEPS global batches of 8 sequences, and dp replica ``d``'s share of each."""
     data = common.Tokens().data
-    full = [data[s * common.GLOBAL_BATCH:(s + 1) * common.GLOBAL_BATCH] for s in range(STEPS)]
+    full = [data[s * common.GLOBAL_BATCH : (s + 1) * common.GLOBAL_BATCH] for s in range(STEPS)]
     share = common.GLOBAL_BATCH // dp
-    return full, [b[d * share:(d + 1) * share] for b in full]
+    return full, [b[d * share : (d + 1) * share] for b in full]
 
 
 def _train(model, batches, dp_group=None) -> list[float]:
@@ -89,7 +111,9 @@ def plain_torch(out: Path) -> None:
         torch.manual_seed(common.INIT_SEED)
         dense = _train(DenseGPT(common.config()), full)
         torch.manual_seed(common.INIT_SEED)
-        parallel = _train(GPT3D(common.config(), grid=grid), mine, grid.group("dp") if grid.data_parallel_size > 1 else None)
+        parallel = _train(
+            GPT3D(common.config(), grid=grid), mine, grid.group("dp") if grid.data_parallel_size > 1 else None
+        )
         records["×".join(map(str, shape))] = {**_place(grid), "loss": parallel, "dense_loss": dense}
     (out / f"torch.rank{dist.get_rank()}.json").write_text(json.dumps(records))
     dist.destroy_process_group()

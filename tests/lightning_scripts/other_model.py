@@ -31,8 +31,15 @@ class TinyGPT(pl.LightningModule):
     def configure_model(self):
         if self.model is None:
             torch.manual_seed(0)
-            self.model = GPT3D(GPTConfig(vocab_size=self.hparams.vocab, block_size=SEQ, n_layer=self.hparams.layers,
-                                         n_head=2, n_embd=16))
+            self.model = GPT3D(
+                GPTConfig(
+                    vocab_size=self.hparams.vocab,
+                    block_size=SEQ,
+                    n_layer=self.hparams.layers,
+                    n_head=2,
+                    n_embd=16,
+                )
+            )
 
     def training_step(self, tokens, _):
         self.steps_run += 1
@@ -46,13 +53,23 @@ class TinyGPT(pl.LightningModule):
 
 
 def loader():
-    return DataLoader(torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(0)), batch_size=4)
+    return DataLoader(
+        torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(0)), batch_size=4
+    )
 
 
 def trainer(out: Path, epochs: int = 1) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, strategy="tensor3d", max_epochs=epochs, logger=False,
-                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      callbacks=[ModelCheckpoint(dirpath=out / "ckpts", filename="{epoch}", save_last=True)])
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="tensor3d",
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[ModelCheckpoint(dirpath=out / "ckpts", filename="{epoch}", save_last=True)],
+    )
 
 
 def main(out: Path) -> None:
@@ -66,13 +83,17 @@ def main(out: Path) -> None:
         for fn in ("validate", "fit"):
             t, model = trainer(out, 2), TinyGPT(vocab, layers)
             try:
-                t.validate(model, loader(), ckpt_path=saved) if fn == "validate" else t.fit(model, loader(), ckpt_path=saved)
+                t.validate(model, loader(), ckpt_path=saved) if fn == "validate" else t.fit(
+                    model, loader(), ckpt_path=saved
+                )
                 errors[f"{fn} vocab {vocab} layers {layers}"] = None
             except Exception as e:  # the message is what the test judges
                 errors[f"{fn} vocab {vocab} layers {layers}"] = f"{type(e).__name__}: {e}"
     resumed = TinyGPT()
     trainer(out, 2).fit(resumed, loader(), loader(), ckpt_path="last")
-    (out / "other_model.json").write_text(json.dumps({"errors": errors, "steps_after_resume": resumed.steps_run}))
+    (out / "other_model.json").write_text(
+        json.dumps({"errors": errors, "steps_after_resume": resumed.steps_run})
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,23 @@ class SignalRank(pl.Callback):
 if __name__ == "__main__":
     out, mode = Path(sys.argv[1]), sys.argv[2]
     pl.seed_everything(common.SEED)
-    strategy = Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=1, timeout=TIMEOUT_S, checkpoint_on_preemption=out / "preempted.ckpt")
+    strategy = Tensor3DStrategy(
+        grid=(2, 1, 1),
+        data_parallel_size=1,
+        timeout=TIMEOUT_S,
+        checkpoint_on_preemption=out / "preempted.ckpt",
+    )
     if mode == "preempt":
-        common.fit("lightning.pytorch", out, "preempted", strategy, epochs=3, devices=2, callbacks=[SignalRank(out)])
+        common.fit(
+            "lightning.pytorch", out, "preempted", strategy, epochs=3, devices=2, callbacks=[SignalRank(out)]
+        )
     else:
-        common.fit("lightning.pytorch", out, "resumed", strategy, epochs=3, devices=2, ckpt_path=out / "preempted.ckpt")
+        common.fit(
+            "lightning.pytorch",
+            out,
+            "resumed",
+            strategy,
+            epochs=3,
+            devices=2,
+            ckpt_path=out / "preempted.ckpt",
+        )

@@ -33,21 +33,64 @@ def world4(out: Path) -> None:
 
     pl.seed_everything(common.SEED)
     common.fit("lightning.pytorch", out, "A", "tensor3d", epochs=2, devices=4)
-    common.fit("lightning.pytorch", out, "B", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2, zero_stage=1),
-               epochs=2, devices=4, ckpt_path=out / "A" / "epoch=0.ckpt")
-    common.fit("lightning.pytorch", out, "C", Tensor3DStrategy(grid=(1, 2, 2)), epochs=2, devices=4, dropout=0.1)
-    common.fit("lightning.pytorch", out, "D", Tensor3DStrategy(grid=(1, 2, 2)), epochs=2, devices=4, dropout=0.1,
-               ckpt_path=out / "C" / "epoch=0.ckpt")
+    common.fit(
+        "lightning.pytorch",
+        out,
+        "B",
+        Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2, zero_stage=1),
+        epochs=2,
+        devices=4,
+        ckpt_path=out / "A" / "epoch=0.ckpt",
+    )
+    common.fit(
+        "lightning.pytorch", out, "C", Tensor3DStrategy(grid=(1, 2, 2)), epochs=2, devices=4, dropout=0.1
+    )
+    common.fit(
+        "lightning.pytorch",
+        out,
+        "D",
+        Tensor3DStrategy(grid=(1, 2, 2)),
+        epochs=2,
+        devices=4,
+        dropout=0.1,
+        ckpt_path=out / "C" / "epoch=0.ckpt",
+    )
 
     pl.seed_everything(common.SEED, workers=True)  # workers seeded by dp rank: the same within a cube
-    trainer, module = common.fit("lightning.pytorch", out, "F", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2), epochs=2, devices=4,
-                                 summary=True, workers=1)
+    trainer, module = common.fit(
+        "lightning.pytorch",
+        out,
+        "F",
+        Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2),
+        epochs=2,
+        devices=4,
+        summary=True,
+        workers=1,
+    )
     validated = common.validate_keeps_shards(trainer, module)
     (out / f"validate.rank{trainer.global_rank}.json").write_text(json.dumps(validated))
-    common.fit("lightning.pytorch", out, "H", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2), epochs=1, devices=4,
-               precision="bf16-mixed")
-    common.fit("lightning.pytorch", out, "I", Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2, ddp_comm_hook=default_hooks.fp16_compress_hook,
-                                                               bucket_cap_mb=1), epochs=1, devices=4)
+    common.fit(
+        "lightning.pytorch",
+        out,
+        "H",
+        Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2),
+        epochs=1,
+        devices=4,
+        precision="bf16-mixed",
+    )
+    common.fit(
+        "lightning.pytorch",
+        out,
+        "I",
+        Tensor3DStrategy(
+            grid=(2, 1, 1),
+            data_parallel_size=2,
+            ddp_comm_hook=default_hooks.fp16_compress_hook,
+            bucket_cap_mb=1,
+        ),
+        epochs=1,
+        devices=4,
+    )
 
 
 def world1(out: Path, resume_from: str) -> None:
@@ -57,14 +100,26 @@ def world1(out: Path, resume_from: str) -> None:
     import lightning_3d  # noqa: F401  registers "tensor3d" (pytorch_lightning imported first: at once)
 
     cls = common.module_class("pytorch_lightning")
-    by_name = LightningCLI(cls, run=False, args=["--trainer.strategy=tensor3d", "--trainer.accelerator=cpu"]).trainer.strategy
-    by_path = LightningCLI(cls, run=False, args=[
-        "--trainer.accelerator=cpu",
-        "--trainer.strategy.class_path=lightning_3d.strategy.pytorch_lightning.Tensor3DStrategy",
-        "--trainer.strategy.init_args.grid=[1, 1, 1]", "--trainer.strategy.init_args.zero_stage=1",
-        "--trainer.strategy.init_args.timeout=45"]).trainer.strategy
-    cli = {"by_name": type(by_name).__qualname__, "by_name_bases": [c.__module__ for c in type(by_name).__mro__],
-           "by_path": type(by_path).__qualname__, "by_path_args": [list(by_path._grid_arg), by_path.zero_stage, by_path._timeout.total_seconds()]}
+    by_name = LightningCLI(
+        cls, run=False, args=["--trainer.strategy=tensor3d", "--trainer.accelerator=cpu"]
+    ).trainer.strategy
+    by_path = LightningCLI(
+        cls,
+        run=False,
+        args=[
+            "--trainer.accelerator=cpu",
+            "--trainer.strategy.class_path=lightning_3d.strategy.pytorch_lightning.Tensor3DStrategy",
+            "--trainer.strategy.init_args.grid=[1, 1, 1]",
+            "--trainer.strategy.init_args.zero_stage=1",
+            "--trainer.strategy.init_args.timeout=45",
+        ],
+    ).trainer.strategy
+    cli = {
+        "by_name": type(by_name).__qualname__,
+        "by_name_bases": [c.__module__ for c in type(by_name).__mro__],
+        "by_path": type(by_path).__qualname__,
+        "by_path_args": [list(by_path._grid_arg), by_path.zero_stage, by_path._timeout.total_seconds()],
+    }
     (out / "cli.json").write_text(json.dumps(cli))
     pl.seed_everything(common.SEED)
     common.fit("pytorch_lightning", out, "E", "tensor3d", epochs=3, devices=1, ckpt_path=resume_from)
