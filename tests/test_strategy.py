@@ -66,7 +66,10 @@ def assert_close(got: list, want: list, what: str, tol: float = TOL) -> None:
 # ----- without processes -----
 
 
-@pytest.mark.parametrize("n, shape", [(1, (1, 1, 1)), (2, (2, 1, 1)), (4, (2, 2, 1)), (8, (2, 2, 2)), (12, (3, 2, 2)), (6, (3, 2, 1))])
+@pytest.mark.parametrize(
+    "n, shape",
+    [(1, (1, 1, 1)), (2, (2, 1, 1)), (4, (2, 2, 1)), (8, (2, 2, 2)), (12, (3, 2, 2)), (6, (3, 2, 1))],
+)
 def test_auto_grid_factors_evenly(n, shape):
     assert grid_rules.auto_shape(n) == shape
     assert grid_rules.resolve("auto", "auto", n, n) == (shape, 1)
@@ -92,10 +95,15 @@ def _links(pairs_GBps: float | None, quads_GBps: float):
         speed = quads_GBps if size == 4 else pairs_GBps
         return default if speed is None else Link(speed, 50.0)
 
-    return dataclasses.replace(DEFAULT_MACHINE, intra={op: {g: link(g, l) for g, l in t.items()} for op, t in DEFAULT_MACHINE.intra.items()})
+    return dataclasses.replace(
+        DEFAULT_MACHINE,
+        intra={op: {g: link(g, l) for g, l in t.items()} for op, t in DEFAULT_MACHINE.intra.items()},
+    )
 
 
-LLAMA_7B_JOB = dict(hidden=4096, heads=32, seq=2048, batch=8, layers=32, ffn=11008, kv_heads=8, gated=True, vocab=32000)
+LLAMA_7B_JOB = dict(
+    hidden=4096, heads=32, seq=2048, batch=8, layers=32, ffn=11008, kv_heads=8, gated=True, vocab=32000
+)
 
 
 def test_auto_grid_prices_with_the_given_machine():
@@ -104,12 +112,19 @@ def test_auto_grid_prices_with_the_given_machine():
     pairs; resolved in the launching process."""
     import lightning.pytorch as pl
 
-    from lightning_3d.cost import ModelShape
     from lightning_3d import Tensor3DStrategy
+    from lightning_3d.cost import ModelShape
 
     shape = ModelShape(**LLAMA_7B_JOB)
-    picks = [pl.Trainer(accelerator="cpu", devices=4, strategy=Tensor3DStrategy(model_shape=shape, machine=m), logger=False)
-             .strategy._resolve_grid() for m in (None, _links(None, 15.0))]
+    picks = [
+        pl.Trainer(
+            accelerator="cpu",
+            devices=4,
+            strategy=Tensor3DStrategy(model_shape=shape, machine=m),
+            logger=False,
+        ).strategy._resolve_grid()
+        for m in (None, _links(None, 15.0))
+    ]
     assert picks == [((4, 1, 1), 1), ((1, 2, 1), 2)]
 
 
@@ -120,14 +135,16 @@ def test_auto_grid_prices_a_half_precision_gradient_hook():
     import lightning.pytorch as pl
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from lightning_3d.cost import ModelShape
     from lightning_3d import Tensor3DStrategy
+    from lightning_3d.cost import ModelShape
 
     shape, machine = ModelShape(**LLAMA_7B_JOB), _links(60.0, 15.0)
 
     def pick(hook):
         strategy = Tensor3DStrategy(model_shape=shape, machine=machine, ddp_comm_hook=hook)
-        return pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False).strategy._resolve_grid()
+        return pl.Trainer(
+            accelerator="cpu", devices=4, strategy=strategy, logger=False
+        ).strategy._resolve_grid()
 
     assert pick(default_hooks.bf16_compress_hook) == pick(default_hooks.fp16_compress_hook) == ((1, 2, 1), 2)
     assert pick(None) == pick(default_hooks.allreduce_hook) == ((2, 2, 1), 1)
@@ -141,16 +158,24 @@ def test_auto_grid_prices_the_default_options():
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from lightning_3d import Tensor3DStrategy
-    from lightning_3d.options import RuntimeOptions
     from lightning_3d.cost import ModelShape
+    from lightning_3d.options import RuntimeOptions
 
     shape, machine = ModelShape(**LLAMA_7B_JOB), _links(30.0, 15.0)
     assert RuntimeOptions().grads_at_end
-    priced = {late: grid_rules.resolve("auto", "auto", 4, 4, shape, machine=machine, half_grads=True, grads_at_end=late)
-              for late in (False, True)}
+    priced = {
+        late: grid_rules.resolve(
+            "auto", "auto", 4, 4, shape, machine=machine, half_grads=True, grads_at_end=late
+        )
+        for late in (False, True)
+    }
     assert priced == {False: ((1, 2, 1), 2), True: ((2, 2, 1), 1)}
-    strategy = Tensor3DStrategy(model_shape=shape, machine=machine, ddp_comm_hook=default_hooks.bf16_compress_hook)
-    assert pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False).strategy._resolve_grid() == ((2, 2, 1), 1)
+    strategy = Tensor3DStrategy(
+        model_shape=shape, machine=machine, ddp_comm_hook=default_hooks.bf16_compress_hook
+    )
+    assert pl.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, logger=False
+    ).strategy._resolve_grid() == ((2, 2, 1), 1)
 
 
 def test_grid_rules_and_errors():
@@ -165,13 +190,25 @@ def test_grid_rules_and_errors():
         grid_rules.resolve("auto", 3, 8, 8)
     from lightning_3d import Tensor3DStrategy
 
-    for bad in [{"grid": (2, 2)}, {"grid": (2, 0, 1)}, {"grid": "2x2x2"}, {"data_parallel_size": 0},
-                {"zero_stage": 2}, {"timeout": -1}]:
+    for bad in [
+        {"grid": (2, 2)},
+        {"grid": (2, 0, 1)},
+        {"grid": "2x2x2"},
+        {"data_parallel_size": 0},
+        {"zero_stage": 2},
+        {"timeout": -1},
+    ]:
         with pytest.raises(ValueError):
             Tensor3DStrategy(**bad)
 
 
-IMPORT_ORDERS = ["from lightning_3d import Tensor3DStrategy", "import deepspeed_3d, lightning_3d"]
+IMPORT_ORDERS = [
+    "from lightning_3d import Tensor3DStrategy",
+    "import deepspeed_3d, lightning_3d",
+    # a namespace's module imported first, after deepspeed_3d: DeepSpeed's strategy (which subclasses it) waits for it
+    "import deepspeed_3d\nfrom lightning_3d.strategy.pytorch_lightning import Tensor3DStrategy\n"
+    "from lightning_3d.strategy.lightning import Tensor3DStrategy",
+]
 
 
 @pytest.fixture(scope="module")
@@ -205,17 +242,32 @@ def test_registration_in_either_import_order(registrations, first):
 
 def test_selected_by_name_in_both_namespaces(runs):
     a, e = records(runs, "A")[0], records(runs, "E")[0]
-    assert a["strategy"] == "lightning_3d.strategy.lightning.Tensor3DStrategy" and a["grid"] == [2, 2, 1] and a["dp"] == 1
-    assert e["strategy"] == "lightning_3d.strategy.pytorch_lightning.Tensor3DStrategy" and e["grid"] == [1, 1, 1]
+    assert (
+        a["strategy"] == "lightning_3d.strategy.lightning.Tensor3DStrategy"
+        and a["grid"] == [2, 2, 1]
+        and a["dp"] == 1
+    )
+    assert e["strategy"] == "lightning_3d.strategy.pytorch_lightning.Tensor3DStrategy" and e["grid"] == [
+        1,
+        1,
+        1,
+    ]
     cli = json.loads((runs / "cli.json").read_text())
-    assert cli["by_name"] == cli["by_path"] == "Tensor3DStrategy" and "pytorch_lightning.strategies.ddp" in cli["by_name_bases"]
-    assert not any(m.startswith("lightning.") for m in cli["by_name_bases"])  # the other namespace's class stays apart
+    assert (
+        cli["by_name"] == cli["by_path"] == "Tensor3DStrategy"
+        and "pytorch_lightning.strategies.ddp" in cli["by_name_bases"]
+    )
+    assert not any(
+        m.startswith("lightning.") for m in cli["by_name_bases"]
+    )  # the other namespace's class stays apart
     assert cli["by_path_args"] == [[1, 1, 1], 1, 45.0]
 
 
 def test_cube_ranks_share_a_batch_and_dp_ranks_split_it(runs):
     a = records(runs, "A")
-    assert all(r["batches"] == a[0]["batches"] for r in a), "2×2×1, dp 1: every rank must see the same batches"
+    assert all(r["batches"] == a[0]["batches"] for r in a), (
+        "2×2×1, dp 1: every rank must see the same batches"
+    )
     b = records(runs, "B")  # 2×1×1, dp 2 over epoch 1 (A's steps 4-6)
     by_dp = {}
     for r in b:
@@ -223,9 +275,12 @@ def test_cube_ranks_share_a_batch_and_dp_ranks_split_it(runs):
     assert sorted(by_dp) == [0, 1] and all(len(v) == 2 for v in by_dp.values())
     assert all(all(x == v[0] for x in v) for v in by_dp.values()), "ranks of one cube saw different batches"
     for step, (b0, b1) in enumerate(zip(by_dp[0][0], by_dp[1][0])):
-        assert len(b0) == len(b1) == 4 and not set(b0) & set(b1), f"step {step}: dp replicas overlap: {b0} {b1}"
-        assert sorted(b0 + b1) == sorted(a[0]["batches"][3 + step]), "the dp replicas must split the global batch"
-
+        assert len(b0) == len(b1) == 4 and not set(b0) & set(b1), (
+            f"step {step}: dp replicas overlap: {b0} {b1}"
+        )
+        assert sorted(b0 + b1) == sorted(a[0]["batches"][3 + step]), (
+            "the dp replicas must split the global batch"
+        )
 
 
 def test_dataloader_workers_draw_alike_within_a_cube_and_apart_across_dp(runs):
@@ -234,12 +289,18 @@ def test_dataloader_workers_draw_alike_within_a_cube_and_apart_across_dp(runs):
     f = records(runs, "F")
     by_dp = {}
     for r in f:
-        assert len(r["draws"]) == 6 and all(len(d) == 4 for d in r["draws"]), "every step's batch carries its workers' draws"
+        assert len(r["draws"]) == 6 and all(len(d) == 4 for d in r["draws"]), (
+            "every step's batch carries its workers' draws"
+        )
         by_dp.setdefault(r["coords"][0], []).append(r["draws"])
     assert sorted(by_dp) == [0, 1] and all(len(v) == 2 for v in by_dp.values())
     for dp, draws in by_dp.items():
-        assert draws[0] == draws[1], f"dp replica {dp}: the two ranks of its cube drew differently in their workers"
-    assert not set(map(tuple, by_dp[0][0])) & set(map(tuple, by_dp[1][0])), "the dp replicas' workers drew alike"
+        assert draws[0] == draws[1], (
+            f"dp replica {dp}: the two ranks of its cube drew differently in their workers"
+        )
+    assert not set(map(tuple, by_dp[0][0])) & set(map(tuple, by_dp[1][0])), (
+        "the dp replicas' workers drew alike"
+    )
 
 
 def test_fit_equals_dense_twin(runs, dense):
@@ -259,13 +320,17 @@ def test_bf16_mixed_follows_the_dense_twin(runs, dense):
 def test_ddp_comm_hook_reduces_dp_gradients_in_half_precision(runs):
     f, i = records(runs, "F")[0], records(runs, "I")[0]
     assert i["loss"][0] == f["loss"][0], "the first loss comes before any reduction"
-    assert_close(i["loss"], f["loss"][:len(i["loss"])], "fp16-reduced vs float32-reduced losses", 1e-2)
-    assert i["loss"][1:] != f["loss"][1:len(i["loss"])], "fp16_compress_hook changed nothing: the hook was not registered"
+    assert_close(i["loss"], f["loss"][: len(i["loss"])], "fp16-reduced vs float32-reduced losses", 1e-2)
+    assert i["loss"][1:] != f["loss"][1 : len(i["loss"])], (
+        "fp16_compress_hook changed nothing: the hook was not registered"
+    )
 
 
 def test_resume_continues_exactly(runs):
     c, d = records(runs, "C")[0], records(runs, "D")[0]  # with dropout: RNG state must come back too
-    assert d["global_step"] == 6 and d["loss"] == c["loss"][3:], f"resumed {d['loss']} != uninterrupted {c['loss'][3:]}"
+    assert d["global_step"] == 6 and d["loss"] == c["loss"][3:], (
+        f"resumed {d['loss']} != uninterrupted {c['loss'][3:]}"
+    )
 
 
 def test_reshard_on_load_across_grids(runs, dense):
@@ -282,7 +347,9 @@ def test_sync_dist_and_collectives_count_each_replica_once(runs):
     for name in ("A", "B", "F"):
         for r in records(runs, name):
             dp = r["dp"]
-            assert r["seqs"] == [common.GLOBAL_BATCH] * len(r["seqs"]), f"{name}: sum-logged batch sizes {r['seqs']}"
+            assert r["seqs"] == [common.GLOBAL_BATCH] * len(r["seqs"]), (
+                f"{name}: sum-logged batch sizes {r['seqs']}"
+            )
             assert r["reduce_sum"] == dp and r["all_gather"] == [[float(d)] for d in range(dp)], (name, r)
 
 
@@ -292,9 +359,13 @@ def test_model_summary_counts_the_full_model(runs):
 
     table = (runs / "world4.log0").read_text()
     total = sum(p.numel() for p in DenseGPT(common.config()).parameters())
-    lines = [line.replace("Total params", "").strip(" :") for line in table.splitlines() if "Total params" in line]
+    lines = [
+        line.replace("Total params", "").strip(" :") for line in table.splitlines() if "Total params" in line
+    ]
     assert lines, f"no model summary in rank 0's log:\n{table[-2000:]}"
-    assert lines[0] == get_human_readable_count(total).strip(), f"summary says {lines[0]!r} parameters: the dense model has {total}"
+    assert lines[0] == get_human_readable_count(total).strip(), (
+        f"summary says {lines[0]!r} parameters: the dense model has {total}"
+    )
 
 
 def test_validate_after_fit_keeps_every_shard(runs):
@@ -320,10 +391,19 @@ def test_dense_export_loads_into_densegpt(runs, dense, tmp_path):
 
 def test_a_dead_rank_fails_fast_with_a_checkpoint_to_resume_from(tmp_path):
     """Resuming from such a checkpoint: the resumed runs here and in test_preemption.py."""
-    run = subprocess.run([sys.executable, str(SCRIPTS / "kill_rank.py"), str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=240, check=False)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPTS / "kill_rank.py"), str(tmp_path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     log = run.stdout + run.stderr
     assert run.returncode != 0, "the run survived the loss of a rank"
-    assert (tmp_path / "killed" / "epoch=0.ckpt" / "meta.pt").exists(), f"the run died before its first checkpoint:\n{log[-3000:]}"
+    assert (tmp_path / "killed" / "epoch=0.ckpt" / "meta.pt").exists(), (
+        f"the run died before its first checkpoint:\n{log[-3000:]}"
+    )
     assert "tensor3d: a collective failed" in log and "ckpt_path" in log, log[-3000:]
     took = time.time() - float((tmp_path / "killed_at").read_text())
     assert took < 60, f"the survivors took {took:.0f}s to fail (timeout 60 s)"

@@ -12,6 +12,7 @@ from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry  # noqa: 
 from pytorch_lightning.utilities.model_summary import ModelSummary as Summary  # noqa: E402
 from pytorch_lightning.utilities.rank_zero import rank_zero_info  # noqa: E402
 
+from . import registration  # noqa: E402
 from .base import Tensor3DMixin  # noqa: E402
 from .precision import AgreedOverflow, GlobalNormClipping  # noqa: E402
 from .summary import GlobalCounts, GlobalSummaryCallback  # noqa: E402
@@ -51,8 +52,12 @@ class GridRichModelSummary(GlobalSummaryCallback, RichModelSummary):
 
 class Tensor3DStrategy(Tensor3DMixin, DDPStrategy):
     __doc__ = Tensor3DMixin.__doc__
-    grid_precisions = {lp.Precision: GridPrecision, lp.DoublePrecision: GridDoublePrecision,
-                       lp.HalfPrecision: GridHalfPrecision, lp.MixedPrecision: GridMixedPrecision}
+    grid_precisions = {
+        lp.Precision: GridPrecision,
+        lp.DoublePrecision: GridDoublePrecision,
+        lp.HalfPrecision: GridHalfPrecision,
+        lp.MixedPrecision: GridMixedPrecision,
+    }
     summary_callbacks = {ModelSummary: GridModelSummary, RichModelSummary: GridRichModelSummary}
     info = staticmethod(rank_zero_info)
     worker_init_function = staticmethod(pl_worker_init_function)
@@ -60,5 +65,6 @@ class Tensor3DStrategy(Tensor3DMixin, DDPStrategy):
 
 
 Tensor3DStrategy.register_strategies(StrategyRegistry)
+registration.imported(__name__)  # the strategies that subclass this one, waiting for it
 
 __all__ = ["Tensor3DStrategy"]

@@ -22,10 +22,23 @@ def installed(namespace: str) -> bool:
     return sys.modules.get(top) is not None or importlib.util.find_spec(top) is not None
 
 
+_after: dict[str, list[str]] = {}  # a strategy module under way → the pending modules that wait for it
+
+
 def _import_pending(modules: list[str]) -> None:
-    for name in modules:
-        if name not in sys.modules:  # a module already under way registers itself when it finishes
-            importlib.import_module(name)
+    """Import ``modules`` in order. One already in ``sys.modules`` is under way (its import imported
+    the namespace, which brought us here): it registers itself, and the modules after it, which may
+    import it (DeepSpeed's strategy subclasses the plain one), wait until it calls :func:`imported`."""
+    for i, name in enumerate(modules):
+        if name in sys.modules:
+            _after.setdefault(name, []).extend(modules[i + 1 :])
+            return
+        importlib.import_module(name)
+
+
+def imported(module: str) -> None:
+    """Called by a strategy module at its end: import the pending modules that waited for it."""
+    _import_pending(_after.pop(module, []))
 
 
 class _ThenRegister(importlib.abc.Loader):
@@ -41,7 +54,9 @@ class _ThenRegister(importlib.abc.Loader):
         self._loader.exec_module(module)
         _import_pending(self._pending.pop(module.__name__, []))
 
-    def __getattr__(self, name):  # everything else (get_data, is_package, resource readers) as the real loader
+    def __getattr__(
+        self, name
+    ):  # everything else (get_data, is_package, resource readers) as the real loader
         return getattr(self._loader, name)
 
 
