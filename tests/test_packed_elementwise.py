@@ -14,7 +14,9 @@ from lightning_3d.models.attention import rope_tables
 from lightning_3d.ops import packed_elementwise
 from lightning_3d.ops.packed_elementwise import packed_rope, packed_swiglu
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "micro"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "micro")
+)
 from packed_elementwise import rope_on_views as plain_rope  # noqa: E402  (autograd of the plain formulas on views)
 from packed_elementwise import swiglu_on_views as plain_swiglu  # noqa: E402
 
