@@ -12,19 +12,19 @@ whole job: forward of embedding, blocks, LM head and loss under bf16 mixed preci
 master weights, backward, the gradient reduction over data parallelism, clipping by the global
 gradient norm (1.0) and a fused AdamW step. Cases (``--cases``, in order; ``defaults`` per GPU count):
 
-- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather] [aheadN] [togetherN] [early]``: :class:`~lightning_3d.models.GPT3D` through the
-  steps ``Tensor3DStrategy`` takes (DDP over the dp group, ``lightning_3d.grad_norm.clip_grad_norm_``,
-  autocast as Lightning's ``"bf16-mixed"``), weight gathers prefetched where px > 1, ``async`` =
-  ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each block and the loss's local passes compiled),
-  ``nocheck`` = ``check_inputs=False`` (no token-range check), ``regather`` = ``save_gathered=False``
-  (gathered operands re-gathered in backward, not kept), ``aheadN`` = ``prefetch_depth=N``
-  (N weights gathered ahead, not the default four), ``togetherN`` = ``gathered_together=N``
-  (the gathers of N consecutive weights started as one collective, not the default four),
-  ``early`` = ``grads_at_end=False`` (each weight gradient's reduce-scatter waited for in its
-  product's backward, not once at the end; ``late``, the default, is accepted); ``3d auto [async]
-  [compile]``: the grid ``grid="auto"`` picks from the model's shape. Before the options' defaults
-  became ``prefetch_depth=4, gathered_together=4, grads_at_end=True``, a case without these words
-  ran ``ahead2 together1 early``; result files record each case's fields.
+- ``3d PXxPYxPZ [dpD] [async] [compile] [nocheck] [regather] [aheadN] [togetherN] [early]``:
+  :class:`~lightning_3d.models.GPT3D` through the steps ``Tensor3DStrategy`` takes (DDP over the dp group,
+  ``lightning_3d.grad_norm.clip_grad_norm_``, autocast as Lightning's ``"bf16-mixed"``), weight gathers
+  prefetched where px > 1, ``async`` = ``async_tp=True``, ``compile`` = ``RuntimeOptions(compile=True)`` (each
+  block and the loss's local passes compiled), ``nocheck`` = ``check_inputs=False`` (no token-range check),
+  ``regather`` = ``save_gathered=False`` (gathered operands re-gathered in backward, not kept), ``aheadN`` =
+  ``prefetch_depth=N`` (N weights gathered ahead, not the default four), ``togetherN`` =
+  ``gathered_together=N`` (the gathers of N consecutive weights started as one collective, not the default
+  four), ``early`` = ``grads_at_end=False`` (each weight gradient's reduce-scatter waited for in its product's
+  backward, not once at the end; ``late``, the default, is accepted); ``3d auto [async] [compile]``: the grid
+  ``grid="auto"`` picks from the model's shape. Before the options' defaults became
+  ``prefetch_depth=4, gathered_together=4, grads_at_end=True``, a case without these words ran
+  ``ahead2 together1 early``; result files record each case's fields.
 - ``tp``, ``tp-sp`` (``compile``, ``async``): 1-D tensor parallelism over every GPU, plain or with
   sequence parallelism, each block and the loss compiled, async TP (``peers.py``: torchtitan's recipe).
 - ``fsdp2`` (``compile``): FSDP2 over every GPU; ``fsdp2-tp DxT`` (``compile``): FSDP2 over D × TP+SP over T;
@@ -48,25 +48,23 @@ moved data, every rank's busy, idle and exposed time (``by_rank``), and the host
 rank 0's host longest (``host_top_self_ms``); ``--host-profile`` adds, for the cases it names, the
 Python functions that took rank 0's host longest in three more steps (``host_python_rank0``, from
 cProfile). ``gpt2-narrow`` is GPT-2 1.4B's 24 layers at width 256: its GEMMs take the GPU almost no
-time, so its steps measure how fast each method's host issues them. Reported per case: median step ms over the timed steps (CUDA events, max over ranks),
-tokens/s, TFLOP/s per GPU and MFU against the bf16 matmul rate measured at the start, peak memory per GPU
-(``max_memory_allocated`` during the steps above what was allocated before the model was built,
-max over ranks), the first step's time (compilation included) and the loss of the first three
-steps (mean over the global batch). Each result also lists rank 0's step times (``step_ms_each``)
-and how long its host took to issue each step (``host_ms_each``; every step starts on an idle GPU,
-so a host time near the step time means the host sets the pace), and each rank's median host time
-(``host_ms_by_rank``). Every case is warmed up alike: built and run for one step untimed, then
-built again and run ``--warmup`` untimed steps before its timed ones (a case's first run in a
-process ran up to 1.3× slow at GPT-2 1.4B). ``--count-bytes`` adds one more step whose
-collectives are counted (``comm_bytes.SentBytes``): the bytes each rank sent, by collective and
-group size (``sent_bytes_by_rank``), and for 3-D cases the cost model's prediction of the same
-bytes (``predicted_sent_bytes``, :func:`lightning_3d.cost.sent_bytes`). Results go to
-``DIR/job_w{N}_{model}[_L{layers}]_{links}.json`` after every case, so a run stopped by its time
-budget keeps what it measured. ``--append`` adds this process's cases to that file (the same job
-only: its ``meta`` stays, this process's date, command and matmul rate go to
-``meta["appended"]``): ``launch.py`` runs one process per case so that no case inherits
-another's communicators, compiled code or allocator state (cases of one process moved each other
-by up to 27% at GPT-2 1.4B on 4 GPUs).
+time, so its steps measure how fast each method's host issues them. Reported per case: median step ms over the
+timed steps (CUDA events, max over ranks), tokens/s, TFLOP/s per GPU and MFU against the bf16 matmul rate
+measured at the start, peak memory per GPU (``max_memory_allocated`` during the steps above what was allocated
+before the model was built, max over ranks), the first step's time (compilation included) and the loss of the
+first three steps (mean over the global batch). Each result also lists rank 0's step times (``step_ms_each``)
+and how long its host took to issue each step (``host_ms_each``; every step starts on an idle GPU, so a host
+time near the step time means the host sets the pace), and each rank's median host time (``host_ms_by_rank``).
+Every case is warmed up alike: built and run for one step untimed, then built again and run ``--warmup``
+untimed steps before its timed ones (a case's first run in a process ran up to 1.3× slow at GPT-2 1.4B).
+``--count-bytes`` adds one more step whose collectives are counted (``comm_bytes.SentBytes``): the bytes each
+rank sent, by collective and group size (``sent_bytes_by_rank``), and for 3-D cases the cost model's
+prediction of the same bytes (``predicted_sent_bytes``, :func:`lightning_3d.cost.sent_bytes`). Results go to
+``DIR/job_w{N}_{model}[_L{layers}]_{links}.json`` after every case, so a run stopped by its time budget keeps
+what it measured. ``--append`` adds this process's cases to that file (the same job only: its ``meta`` stays,
+this process's date, command and matmul rate go to ``meta["appended"]``): ``launch.py`` runs one process per
+case so that no case inherits another's communicators, compiled code or allocator state (cases of one process
+moved each other by up to 27% at GPT-2 1.4B on 4 GPUs).
 """
 
 from __future__ import annotations
@@ -75,6 +73,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import math
@@ -213,7 +212,8 @@ class Method:
 
     @classmethod
     def parse(cls, text: str, world: int) -> Method:
-        """``"3d 1x4x1 async"``, ``"3d 1x2x1 dp2"``, ``"3d auto"``, ``"tp-sp compile async"``, ``"fsdp2-tp 2x2 compile"``, ``"ddp"``."""
+        """``"3d 1x4x1 async"``, ``"3d 1x2x1 dp2"``, ``"3d auto"``, ``"tp-sp compile async"``,
+        ``"fsdp2-tp 2x2 compile"``, ``"ddp"``."""
         words = text.split()
         kind, opts = words[0], words[1:]
         if kind not in ("3d", "tp", "tp-sp", "fsdp2", "fsdp2-tp", "ddp"):
@@ -381,7 +381,8 @@ def fused_adamw(params, run: Run) -> torch.optim.Optimizer:
 
 
 def half_precision_hook(run: Run):
-    """DDP's gradient reduction in bf16 (``Tensor3DStrategy(ddp_comm_hook=...)``); fp16 on gloo, where bf16's hook does not run."""
+    """DDP's gradient reduction in bf16 (``Tensor3DStrategy(ddp_comm_hook=...)``); fp16 on gloo, where bf16's
+    hook does not run."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return default_hooks.fp16_compress_hook if run.cpu else default_hooks.bf16_compress_hook
@@ -585,12 +586,11 @@ def run_case(
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
             losses.append(loss.detach().float().reshape(()))
     timeline = None
-    if (
-        profile
-    ):  # GPU time of 2 more steps: busy, communication, communication no compute hides, the longest kernels
+    # GPU time of 2 more steps: busy, communication, communication no compute hides, the longest kernels
+    if profile:
         ids, targets = (t[job.rows] for t in data[0])
         trace = os.path.join("/tmp", f"train_job_trace_{os.getpid()}.json.gz")
-        timeline = measure.profile_steps(lambda: job.step(ids, targets), 2, trace)
+        timeline = measure.profile_steps(functools.partial(job.step, ids, targets), 2, trace)
         every_rank = [None] * run.world
         dist.all_gather_object(every_rank, measure.nccl_kernels(trace))
         timeline["peer_waits"] = measure.peer_waits(every_rank)
@@ -598,7 +598,7 @@ def run_case(
         timeline["by_rank"] = every_rank
     if host_profile:  # 3 more steps, every rank profiled alike; rank 0's Python is reported
         ids, targets = (t[job.rows] for t in data[0])
-        python_top = measure.host_profile(lambda: job.step(ids, targets), 3)
+        python_top = measure.host_profile(functools.partial(job.step, ids, targets), 3)
     sent = None
     if count_bytes:  # one more step, its collectives counted (every rank's)
         ids, targets = (t[job.rows] for t in data[0])
@@ -711,7 +711,8 @@ def main() -> None:
         "--links",
         default="nvlink",
         choices=("nvlink", "p2p-off"),
-        help="a tag for the links; p2p-off (NCCL_P2P_DISABLE=1) drops async cases: symmetric memory bypasses NCCL's setting",
+        help="a tag for the links; p2p-off (NCCL_P2P_DISABLE=1) drops async cases: symmetric memory bypasses "
+        "NCCL's setting",
     )
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
@@ -897,7 +898,8 @@ def main() -> None:
             run.log(f"  {label:24s} FAILED {result['error']}")
         else:
             run.log(
-                f"  {label:24s} {result['step_ms']:8.1f} ms {result['tokens_per_s']:9.0f} tok/s MFU {result['mfu']:.1%} "
+                f"  {label:24s} {result['step_ms']:8.1f} ms {result['tokens_per_s']:9.0f} tok/s MFU "
+                f"{result['mfu']:.1%} "
                 f"peak {result['peak_GiB']:6.2f} GiB loss {' '.join(f'{v:.5f}' for v in result['losses'])} "
                 f"(first step {result['first_step_s']:.1f} s)"
             )

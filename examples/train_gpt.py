@@ -45,7 +45,8 @@ SEPARATOR = b"\n\n"
 
 
 def stdlib_bytes(max_bytes: int, val_every: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(train, val)`` byte tensors from the standard library's ``.py`` files (sorted; every ``val_every``-th file is val)."""
+    """``(train, val)`` byte tensors from the standard library's ``.py`` files (sorted; every ``val_every``-th
+    file is val)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if not SKIPPED_DIRS & set(p.relative_to(root).parts))
     train, val, size = [], [], 0
@@ -55,12 +56,16 @@ def stdlib_bytes(max_bytes: int, val_every: int = 20) -> tuple[torch.Tensor, tor
         size += len(text)
         if size >= max_bytes:
             break
-    as_tensor = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+    def as_tensor(chunks: list[bytes]) -> torch.Tensor:
+        return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
     return as_tensor(train), as_tensor(val)
 
 
 class Windows(Dataset):
-    """``count`` windows of ``seq_len + 1`` bytes at offsets drawn once from ``seed`` (so an index always means the same window)."""
+    """``count`` windows of ``seq_len + 1`` bytes at offsets drawn once from ``seed`` (so an index always
+    means the same window)."""
 
     def __init__(self, data: torch.Tensor, seq_len: int, count: int, seed: int):
         self.data, self.seq_len = data, seq_len

@@ -3,7 +3,7 @@
 The core (grid, ops, layers) imports torch only; ``lightning_3d.strategy`` brings Lightning in.
 """
 
-from . import litgpt as _litgpt  # registers LitGPT's plan by class name (no litgpt import)
+from . import litgpt as litgpt  # registers LitGPT's plan by class name (no litgpt import)
 from .grid import Grid, destroy_grid, get_grid, init_grid, set_grid
 from .hf import (
     save_pretrained,
@@ -62,7 +62,8 @@ _register_on_import()
 
 
 def __getattr__(name: str):
-    """``Tensor3DStrategy`` (the Trainer's) and ``Tensor3DFabricStrategy`` (Fabric's) on first use (they import Lightning)."""
+    """``Tensor3DStrategy`` (the Trainer's) and ``Tensor3DFabricStrategy`` (Fabric's) on first use (they
+    import Lightning)."""
     if name in ("Tensor3DStrategy", "Tensor3DFabricStrategy"):
         from . import strategy
 

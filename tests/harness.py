@@ -119,7 +119,7 @@ class Pool:
                 self.close()
                 raise TimeoutError(
                     f"{fn.__name__}: not every rank answered within {timeout:.0f}s (a hang); reports: {errors}"
-                )
+                ) from None
             if ok:
                 out[rank] = value
             else:

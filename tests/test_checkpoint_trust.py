@@ -145,7 +145,8 @@ def optimizer_job(path: str, save: bool) -> str:
     except CheckpointError as e:
         return str(e)
     every = len(optimizer.state) == len(names)
-    return f"loaded steps {sorted({s['steps'] for s in optimizer.state.values()}, key=repr)} for {'every' if every else 'some'} parameter"
+    steps = sorted({s["steps"] for s in optimizer.state.values()}, key=repr)
+    return f"loaded steps {steps} for {'every' if every else 'some'} parameter"
 
 
 class Tally(nn.Module):

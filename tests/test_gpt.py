@@ -1,6 +1,8 @@
-"""GPT3D equals DenseGPT on every grid (float64): logits, loss, every parameter gradient; generation, padding, checkpointing, import."""
+"""GPT3D equals DenseGPT on every grid (float64): logits, loss, every parameter gradient; generation, padding,
+checkpointing, import."""
 
 import itertools
+from functools import partial
 
 import harness
 import pytest
@@ -462,7 +464,7 @@ def fused_linear_job(grid):
             outputs = mod(x).chunk(groups, -1)
         else:  # runs of 2 groups and 1: the first cut in two
             errs["runs_checked"] = float(
-                "sum to 2, not to the 3 groups" not in value_error(lambda: mod.forward_groups(x, (1, 1)))
+                "sum to 2, not to the 3 groups" not in value_error(partial(mod.forward_groups, x, (1, 1)))
             )
             first, last = mod.forward_groups(x, (2, 1))  # [..., P, run, k/P]
             blocks = 1 if grid.cube_size == 1 else grid.size("x")

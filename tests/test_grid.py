@@ -13,10 +13,10 @@ from lightning_3d.grid import _check_shape, axes_across_nodes
 
 
 def grid_job(grid: Grid):
-    d, i, j, l = grid.coords
+    d, x, y, z = grid.coords
     px, py, pz = grid.shape
     rank = dist.get_rank()
-    assert rank == ((d * px + i) * py + j) * pz + l, (rank, grid.coords)
+    assert rank == ((d * px + x) * py + y) * pz + z, (rank, grid.coords)
     members = {}
     for axes in ("x", "y", "z", "xy", "xz", "yz", "cube", "dp"):
         group = grid.group(axes)
@@ -46,7 +46,8 @@ def test_coords_and_groups():
 
 
 def destroy_job():
-    """Grids built and destroyed in turn leave no process group (nor its thread) behind; a destroyed grid refuses to run."""
+    """Grids built and destroyed in turn leave no process group (nor its thread) behind; a destroyed grid
+    refuses to run."""
     from lightning_3d import destroy_grid, get_grid
 
     before = gloo_threads()

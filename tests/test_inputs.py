@@ -5,6 +5,7 @@ within seconds, instead of a wrong loss, a hang or an abort of some ranks."""
 import datetime
 import math
 import time
+from functools import partial
 
 import harness
 import pytest
@@ -50,11 +51,11 @@ def out_of_range_job():
     for name, value in (("id_high", 16), ("id_negative", -1)):
         bad = ids.clone()
         bad[1, 2] = value
-        msgs[name] = _error(lambda: emb(bad))
+        msgs[name] = _error(partial(emb, bad))
     for name, value in (("target_high", 16), ("target_negative", -3)):
         bad = ids.clone()
         bad[3, 4] = value
-        msgs[name] = _error(lambda: loss(logits, bad))
+        msgs[name] = _error(partial(loss, logits, bad))
     ignored = ids.clone()
     ignored[0, 0] = -100
     msgs["ignored_ok"] = bool(torch.isfinite(loss(logits, ignored)))
@@ -167,7 +168,8 @@ def test_ranks_that_disagree_on_the_grid_all_raise(kind, expected):
 
 
 def different_batches_job():
-    """Rank 0 of a 2×2×1 cube is given a batch of 8 (or other ids, or the same ids in another order), the others a batch of 4."""
+    """Rank 0 of a 2×2×1 cube is given a batch of 8 (or other ids, or the same ids in another order), the
+    others a batch of 4."""
     grid = init_grid((2, 2, 1))  # fresh: each entry point checks on its first call on a grid
     rank = dist.get_rank()
     torch.manual_seed(5)
@@ -281,7 +283,7 @@ def test_flags_and_counts_are_checked():
 
 def bad_types_job():
     return {
-        name: _error(lambda: init_grid(*args, **kwargs))
+        name: _error(partial(init_grid, *args, **kwargs))
         for name, args, kwargs in [
             ("string", ("221",), {}),
             ("float", ((2.7, 1, 1),), {}),

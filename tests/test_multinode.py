@@ -92,14 +92,15 @@ def _records(out: Path, mode: str) -> list[dict]:
 
 
 def assert_cube_placement(recs: list[dict], axes: list[str]) -> None:
-    """The first half of the ranks on one node and the rest on the other; the axes across nodes are the expected ones."""
+    """The first half of the ranks on one node and the rest on the other; the axes across nodes are the
+    expected ones."""
     nodes, half = [r["node"] for r in recs], len(recs) // 2
     assert len(set(nodes[:half])) == 1 and len(set(nodes[half:])) == 1 and nodes[0] != nodes[half], nodes
     assert all(r["axes_across_nodes"] == axes for r in recs), [r["axes_across_nodes"] for r in recs]
     px, py, pz = recs[0]["grid"]
-    for r in recs:  # the rank order: ((d·px + i)·py + j)·pz + l
-        d, i, j, l = r["coords"]
-        assert r["rank"] == ((d * px + i) * py + j) * pz + l, r
+    for r in recs:  # the rank order: ((d·px + x)·py + y)·pz + z
+        d, x, y, z = r["coords"]
+        assert r["rank"] == ((d * px + x) * py + y) * pz + z, r
 
 
 def assert_close(got: list[float], want: list[float], what: str) -> None:

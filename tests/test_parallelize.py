@@ -37,7 +37,8 @@ F64 = torch.float64
 
 
 class Block(nn.Module):
-    """Pre-norm causal attention (separate q, k, v; k without the bias whose gradient softmax makes 0) and a GELU MLP."""
+    """Pre-norm causal attention (separate q, k, v; k without the bias whose gradient softmax makes 0) and a
+    GELU MLP."""
 
     def __init__(self):
         super().__init__()
@@ -258,5 +259,8 @@ def test_unmapped_modules_and_bad_plans_are_refused():
 
 
 def test_core_imports_without_transformers():
-    code = "import sys, lightning_3d, lightning_3d.parallel, lightning_3d.models; assert 'transformers' not in sys.modules"
+    code = (
+        "import sys, lightning_3d, lightning_3d.parallel, lightning_3d.models; "
+        "assert 'transformers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

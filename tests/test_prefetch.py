@@ -45,7 +45,7 @@ def prefetch_job(shape, depth, together=1):
     for step in range(3):
         if step == 2:  # change layer 2's weight in place after layer 1 started its prefetch
             layer, target = fetched[1], fetched[2].weight
-            handle = layer.register_forward_hook(lambda *_: _double(target))
+            handle = layer.register_forward_hook(lambda *_, target=target: _double(target))
             with torch.no_grad():
                 plain[2].weight.mul_(2.0)
         y_plain, y_fetched = plain(x), fetched(x)

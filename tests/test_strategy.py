@@ -97,7 +97,7 @@ def _links(pairs_GBps: float | None, quads_GBps: float):
 
     return dataclasses.replace(
         DEFAULT_MACHINE,
-        intra={op: {g: link(g, l) for g, l in t.items()} for op, t in DEFAULT_MACHINE.intra.items()},
+        intra={op: {g: link(g, old) for g, old in t.items()} for op, t in DEFAULT_MACHINE.intra.items()},
     )
 
 

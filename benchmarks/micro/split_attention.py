@@ -247,7 +247,7 @@ def run_case(seq_len: int, kv_heads: int, ranks_list, forms, args, device, dtype
             qs = leaves(*q_parts)
             lk, lv = leaves(k, v)
 
-            def step(qs=qs, lk=lk, lv=lv, form=FORMS[form], masks=masks, ranks=ranks):
+            def step(qs=qs, lk=lk, lv=lv, form=FORMS[form], masks=masks, ranks=ranks, dout_parts=dout_parts):
                 outs = []
                 for r in range(ranks):
                     y = form(qs[r], lk, lv, r, ranks, scale, masks[r])

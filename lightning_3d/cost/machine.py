@@ -63,8 +63,9 @@ class Machine:
             RMSNorm, rotary embedding) blocks run eagerly; compiled blocks fuse them away.
         compiled_passes: ``passes_fwd, passes_bwd`` of blocks run through ``torch.compile``.
         activation_fraction: the share of the activations an eager block keeps for backward that
-            a block keeps (1 eagerly; :func:`~lightning_3d.cost.formulas.predict_job` uses ``compiled_activation_fraction`` for
-            compiled blocks, whose graphs recompute elementwise results instead of keeping them; fitted).
+            a block keeps (1 eagerly; :func:`~lightning_3d.cost.formulas.predict_job` uses
+            ``compiled_activation_fraction`` for compiled blocks, whose graphs recompute elementwise results
+            instead of keeping them; fitted).
         optimizer_bytes: bytes moved per parameter shard and step by the gradient-norm clipping,
             the fused AdamW step (fp32 parameter, gradient and two moments), the fp32 gradient
             accumulation and the bf16 casts of the weights.
@@ -160,9 +161,9 @@ class Machine:
         )
 
 
-# 4× H200 SXM, measured (latency: bursts of small collectives); 8 ranks: the bus bandwidth of a 1 GiB all-reduce on an 8×H100 NVLink host
-# (360 GB/s) with an assumed 40 µs; inter-node: an assumed 400 Gb/s NIC per GPU (≈45 GB/s bus
-# bandwidth, 20 µs), not measured.
+# 4× H200 SXM, measured (latency: bursts of small collectives); 8 ranks: the bus bandwidth of a 1 GiB
+# all-reduce on an 8×H100 NVLink host (360 GB/s) with an assumed 40 µs; inter-node: an assumed 400 Gb/s NIC
+# per GPU (≈45 GB/s bus bandwidth, 20 µs), not measured.
 DEFAULT_MACHINE = Machine(
     matmul_tflops=760.0,
     hbm_GBps=4100.0,
@@ -249,7 +250,7 @@ def collective_rates(
     out = {}
     for op in OPS:
 
-        def timed(nbytes: int, repeat: int) -> tuple[float, float]:
+        def timed(op: str, nbytes: int, repeat: int) -> tuple[float, float]:
             full = torch.randn(max(nbytes // dtype.itemsize // g, 1) * g, dtype=dtype, device=device)
             part = full[: full.numel() // g].clone()
             moved = full.numel() * dtype.itemsize * (g - 1) / g * (2 if op == "all_reduce" else 1)
@@ -265,9 +266,9 @@ def collective_rates(
 
             return moved, slowest([median_ms(run, device, 2, iters)], device)[0] * 1e-3 / repeat
 
-        (m0, t0), (m1, t1) = (timed(n, 1) for n in large)
+        (m0, t0), (m1, t1) = (timed(op, n, 1) for n in large)
         beta = (m1 - m0) / max(t1 - t0, 1e-9)
-        _, t_small = timed(small, burst)
+        _, t_small = timed(op, small, burst)
         out[op] = {
             "latency_us": t_small * 1e6,
             "busbw_GBps": beta / 1e9,
