@@ -6,8 +6,9 @@
      "tensor3d": {"grid": [2, 2, 1], "async_tp": false}}
 
 ``async_tp`` (optional, default false) sets the model's ``lightning_3d.RuntimeOptions.async_tp``:
-the 3-D products run their activation gathers and scatters as collective matmuls. Every rank of one cube sees the same micro-batch, so DeepSpeed's batch arithmetic runs over the
-data-parallel size ``dp = world / (px·py·pz)``, not over the world size.
+the 3-D products run their activation gathers and scatters as collective matmuls. Every rank of one cube sees
+the same micro-batch, so DeepSpeed's batch arithmetic runs over the data-parallel size
+``dp = world / (px·py·pz)``, not over the world size.
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     models without 3-D layers). The section is removed before DeepSpeed sees the config.
 
     ZeRO partitions and gradient averaging run over the data-parallel group; parameters are
-    tagged for DeepSpeed's gradient norm (:mod:`deepspeed_3d.grad_norm_tags`); ZeRO-3 leaves ``torch.nn.functional.linear``
-    alone unless the config asks otherwise (:func:`~deepspeed_3d.config.keep_torch_linear`).
+    tagged for DeepSpeed's gradient norm (:mod:`deepspeed_3d.grad_norm_tags`); ZeRO-3 leaves
+    ``torch.nn.functional.linear`` alone unless the config asks otherwise
+    (:func:`~deepspeed_3d.config.keep_torch_linear`).
 
     Save and load its checkpoints with :func:`save_checkpoint` / :func:`load_checkpoint`, which
     add the model's sharding record and check it.
@@ -76,7 +77,8 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
 def save_checkpoint(
     engine, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None, **kwargs
 ):
-    """``engine.save_checkpoint`` with the model's sharding record in the client state (:mod:`deepspeed_3d.sharding_record`).
+    """``engine.save_checkpoint`` with the model's sharding record in the client state
+    (:mod:`deepspeed_3d.sharding_record`).
 
     The record lets :func:`~deepspeed_3d.checkpoint.to_dense` assemble the checkpoint without the
     model, and :func:`load_checkpoint` refuse it on another grid. ``engine`` is one that

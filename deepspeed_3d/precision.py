@@ -28,6 +28,7 @@ def check_precision(config: dict[str, Any], grid: Grid) -> None:
     if mixed and stage == 0 and grid.cube_size > 1:
         px, py, pz = grid.shape
         raise ValueError(
-            f"{mixed[0]} without ZeRO on a {px}×{py}×{pz} grid: DeepSpeed's stage-0 {mixed[0]} optimizer counts only "
-            f'model-parallel rank 0\'s gradients in the gradient norm; set "zero_optimization": {{"stage": 1}} (or 2, 3)'
+            f"{mixed[0]} without ZeRO on a {px}×{py}×{pz} grid: DeepSpeed's stage-0 {mixed[0]} optimizer "
+            "counts only model-parallel rank 0's gradients in the gradient norm; "
+            'set "zero_optimization": {"stage": 1} (or 2, 3)'
         )

@@ -68,6 +68,7 @@ def check_same_grid(saved: dict[str, Any], current: dict[str, Any]) -> None:
     if list(saved["grid"]) != list(current["grid"]):
         raise ValueError(
             f"the checkpoint was saved on a {'×'.join(map(str, saved['grid']))} grid but this run uses "
-            f"{'×'.join(map(str, current['grid']))}; DeepSpeed loads shards by model-parallel rank, so run on the saved "
-            f"grid, or convert the checkpoint to a dense state dict (python -m deepspeed_3d.checkpoint to-dense) and load that"
+            f"{'×'.join(map(str, current['grid']))}; DeepSpeed loads shards by model-parallel rank, so run "
+            "on the saved grid, or convert the checkpoint to a dense state dict "
+            "(python -m deepspeed_3d.checkpoint to-dense) and load that"
         )

@@ -5,9 +5,9 @@ Launchers number ranks node by node, so each cube lies inside one node whenever 
 divides the ranks per node, and only dp spans nodes. A cube larger than a node spans nodes along
 x first (its outermost axis), then y: x groups move weights only (gathered products ahead and
 hidden behind the previous ones), while y and z groups move the activations on every product's
-critical path. :attr:`Grid.axes_across_nodes` records which axes span nodes. Every group a layer needs is built once, at construction, by every rank
-(process-group creation is collective): the four axes of the :class:`DeviceMesh`, the three
-planes and the whole cube.
+critical path. :attr:`Grid.axes_across_nodes` records which axes span nodes. Every group a layer needs is
+built once, at construction, by every rank (process-group creation is collective): the four axes of the
+:class:`DeviceMesh`, the three planes and the whole cube.
 """
 
 from __future__ import annotations

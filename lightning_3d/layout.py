@@ -125,13 +125,15 @@ def check_local_activation(x: torch.Tensor, layout: Layout, features: int, grid:
     f = grid.size(layout.feature_axis)
     if x.dim() < 2 or x.shape[-1] * f != features:
         raise ValueError(
-            f"{who}: expected a {layout}-layout block [batch/(px·p{layout.row_axis}), ..., {features}/p{layout.feature_axis}="
+            f"{who}: expected a {layout}-layout block [batch/(px·p{layout.row_axis}), ..., "
+            f"{features}/p{layout.feature_axis}="
             f"{features // f if features % f == 0 else features / f}], got {list(x.shape)} on grid {grid.shape}"
         )
     px, py, pz = grid.shape
     batch = x.shape[0] * grid.size("x" + layout.row_axis)
     if batch % (px * py) or batch % (px * pz):
         raise ValueError(
-            f"{who}: global batch {batch} must be divisible by px·py = {px * py} and px·pz = {px * pz} on grid {grid.shape}; "
+            f"{who}: global batch {batch} must be divisible by px·py = {px * py} and px·pz = {px * pz} on "
+            f"grid {grid.shape}; "
             f"use a batch that is a multiple of {math.lcm(px * py, px * pz)}"
         )

@@ -51,7 +51,8 @@ class ShardSpec:
             if n % parts:
                 cut = "·".join(f"p{a}={grid.size(a)}" for a in axes)
                 raise ValueError(
-                    f"{what}: dim {d} of size {n} is split over {cut} = {parts} ranks, but {n} % {parts} = {n % parts}; "
+                    f"{what}: dim {d} of size {n} is split over {cut} = {parts} ranks, but {n} % {parts} = "
+                    f"{n % parts}; "
                     f"make it a multiple of {parts} or pick a grid that divides it"
                 )
 

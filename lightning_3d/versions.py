@@ -35,7 +35,8 @@ _MODULES = {
 
 
 def unsupported(package: str, installed: str) -> str | None:
-    """Why version ``installed`` of ``package`` (a key of :data:`MINIMUMS`) is refused, with the fix; None if supported."""
+    """Why version ``installed`` of ``package`` (a key of :data:`MINIMUMS`) is refused, with the fix; None if
+    supported."""
     from packaging.version import Version  # a dependency of every integrated library, not of the core
 
     minimum = MINIMUMS[package]

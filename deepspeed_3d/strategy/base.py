@@ -1,4 +1,5 @@
-"""The behaviour of ``Tensor3DDeepSpeedStrategy``, shared by its ``lightning.pytorch`` and ``pytorch_lightning`` classes.
+"""The behaviour of ``Tensor3DDeepSpeedStrategy``, shared by its ``lightning.pytorch`` and
+``pytorch_lightning`` classes.
 
 Each namespace module (:mod:`.lightning`, :mod:`.pytorch_lightning`) defines
 ``class Tensor3DDeepSpeedStrategy(Tensor3DDeepSpeedMixin, DeepSpeedStrategy)``. This module imports
@@ -85,7 +86,8 @@ class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlob
             shape = grid_shape({SECTION: {"grid": list(grid)}})
             if grid_shape(self.config) not in (None, shape):
                 raise ValueError(
-                    f'grid={tuple(grid)} disagrees with the config\'s "{SECTION}": {self.config[SECTION]}; give one of them'
+                    f'grid={tuple(grid)} disagrees with the config\'s "{SECTION}": {self.config[SECTION]}; '
+                    "give one of them"
                 )
             self.config[SECTION] = {**self.config.get(SECTION, {}), "grid": list(shape)}
         self._grid: Grid | None = None
@@ -171,7 +173,8 @@ class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlob
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
     ) -> None:
-        """DeepSpeed's checkpoint, with the model's sharding record among the client state (not over the one this run resumed from)."""
+        """DeepSpeed's checkpoint, with the model's sharding record among the client state (not over the one
+        this run resumed from)."""
         if resume_point(self.broadcast(str(filepath)), checkpoint) == self._resumed_from:
             if self.is_global_zero:
                 print(skip_message(filepath), flush=True)

@@ -6,8 +6,8 @@ A checkpoint is a directory, visible only once complete (:mod:`.publish`):
   module's state dict, ``optimizer_<i>.state.<param name>.<key>`` for optimizer state, each 3-D
   tensor as a DTensor view of its ShardSpec (:mod:`.views`). Any grid reads any part back. A
   module's extra state is kept as a tensor or as its JSON text (:mod:`.extra_state`).
-- ``layout.json``, the sharding record: the grid it was written on, the model's true shapes and layouts and its dense root
-  (:mod:`.saved_model`).
+- ``layout.json``, the sharding record: the grid it was written on, the model's true shapes and layouts and
+  its dense root (:mod:`.saved_model`).
 - ``rng/<rank>.json``: each rank's RNG states (:mod:`.rng`).
 - ``meta.pt``: what the caller adds (the Lightning strategy: loop state, param groups,
   hyper-parameters), read with weights-only unpickling (:mod:`.untrusted`).

@@ -40,7 +40,8 @@ def dense_info(path: str | Path, prefix: str | None = None) -> dict[str, Any]:
 
 
 def root_info(root: dict[str, Any] | None, prefix: str | None = None) -> dict[str, Any]:
-    """:func:`dense_info` from a recorded dense root (:func:`~lightning_3d.checkpoint.dense_root`; None: the whole module)."""
+    """:func:`dense_info` from a recorded dense root (:func:`~lightning_3d.checkpoint.dense_root`; None: the
+    whole module)."""
     root = root or {"prefix": ""}
     if prefix is None:
         prefix = root["prefix"]

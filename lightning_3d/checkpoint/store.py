@@ -137,7 +137,8 @@ def save(
 
 
 def read_record(path: str | Path) -> dict:
-    """The sharding record (``layout.json``) of a complete checkpoint; :class:`CheckpointError` when ``path`` is none."""
+    """The sharding record (``layout.json``) of a complete checkpoint; :class:`CheckpointError` when ``path``
+    is none."""
     path = Path(path)
     manifest.verify(path, [RECORD_FILE])
     return json.loads((path / RECORD_FILE).read_text())

@@ -126,8 +126,9 @@ class SafePlanner(DefaultLoadPlanner):
                 self.metadata.storage_data.get(read_item.storage_index) if self.metadata is not None else None
             )
             raise CheckpointError(
-                f"refusing to read the entry {read_item.dest_index.fqn!r} in {getattr(info, 'relative_path', 'its shard')}: "
-                f"{_first_line(e)}; nothing in it was executed. The file is damaged or was crafted to run code; a checkpoint "
+                f"refusing to read the entry {read_item.dest_index.fqn!r} in "
+                f"{getattr(info, 'relative_path', 'its shard')}: {_first_line(e)}; nothing in it was executed. "
+                "The file is damaged or was crafted to run code; a checkpoint "
                 f"you trust whose state holds objects of your own classes loads once they are allowed with "
                 f"torch.serialization.add_safe_globals([cls])"
             ) from None
@@ -194,7 +195,8 @@ def load_weights_only(file: str | Path, trusted: bool = False, allowed: Sequence
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"refusing to read {file}: {_first_line(e)} Nothing in it was executed. A checkpoint you trust that holds "
-            f"objects of your own classes (e.g. hyper-parameters) loads with torch.serialization.add_safe_globals([cls]) "
+            "objects of your own classes (e.g. hyper-parameters) loads with "
+            "torch.serialization.add_safe_globals([cls]) "
             f"or Trainer.fit(..., weights_only=False)"
         ) from None
     except Exception as e:

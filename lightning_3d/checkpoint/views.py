@@ -94,7 +94,8 @@ def _state_view(value, param: torch.Tensor, grid: Grid, what: str):
     if value.shape != param.shape:
         raise ValueError(
             f"{what}: shape {list(value.shape)} is neither a scalar nor the parameter's shard shape "
-            f"{list(param.shape)}, so it cannot be resharded; use an optimizer with elementwise state (SGD, Adam, AdamW)"
+            f"{list(param.shape)}, so it cannot be resharded; use an optimizer with elementwise state (SGD, "
+            "Adam, AdamW)"
         )
     return sharded_view(value, spec, grid)
 

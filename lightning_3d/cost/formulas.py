@@ -62,7 +62,8 @@ class ModelShape:
 
     @classmethod
     def of(cls, config: GPTConfig, batch: int, seq: int) -> ModelShape:
-        """The shape of ``config``'s model (vocabulary included) trained on ``batch`` sequences of ``seq`` tokens a step."""
+        """The shape of ``config``'s model (vocabulary included) trained on ``batch`` sequences of ``seq``
+        tokens a step."""
         return cls(
             config.n_embd,
             config.n_head,
@@ -180,7 +181,8 @@ def _moved(op: str, g: int, full_bytes: float) -> float:
 
 
 class _Collectives:
-    """Seconds of the collectives of ``grid`` × ``dp`` ranks on ``machine``, by axis (``"x"``, ``"y"``, ``"z"``, ``"dp"``)."""
+    """Seconds of the collectives of ``grid`` × ``dp`` ranks on ``machine``, by axis (``"x"``, ``"y"``,
+    ``"z"``, ``"dp"``)."""
 
     def __init__(self, grid: tuple[int, int, int], dp: int, machine: Machine):
         px, py, pz = grid
@@ -425,10 +427,10 @@ def predict_job(
     gradient-norm all-reduce, clipping, AdamW and the weight casts; never less than the host takes to
     issue the step (:attr:`Machine.host_layer_ms`). ``grads_at_end`` (``RuntimeOptions.grads_at_end``)
     takes :attr:`Machine.late_scatter_fraction` of the weight gradients' reduce-scatters (at most of
-    the blocks' backward compute) off the step and, where px > 1, leaves the whole dp reduction after backward (those gradients reach DDP's
-    buckets at its end). Memory: the fp32 parameters and
-    Adam's two moments of each shard (and DDP's gradient buckets with dp > 1), the bf16 weight
-    copies autocast keeps, the activations, and the logits at the loss.
+    the blocks' backward compute) off the step and, where px > 1, leaves the whole dp reduction after backward
+    (those gradients reach DDP's buckets at its end). Memory: the fp32 parameters and Adam's two moments of
+    each shard (and DDP's gradient buckets with dp > 1), the bf16 weight copies autocast keeps, the
+    activations, and the logits at the loss.
     """
     if shape.vocab is None:
         raise ValueError(

@@ -30,10 +30,10 @@ def candidates(
 ) -> list[Prediction]:
     """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest; with
     ``async_tp`` as collective matmuls, on cubes inside one node only), sorted by predicted step
-    time. With ``shape.vocab`` the grids are priced as whole training steps (:func:`~lightning_3d.cost.formulas.predict_job`,
-    blocks ``compiled`` or not, the gradient reduction over dp in bf16 with ``half_grads``, the
-    weight gradients handed on at the end of backward with ``grads_at_end``), else as block stacks
-    (:func:`~lightning_3d.cost.formulas.predict_3d`)."""
+    time. With ``shape.vocab`` the grids are priced as whole training steps
+    (:func:`~lightning_3d.cost.formulas.predict_job`, blocks ``compiled`` or not, the gradient reduction over
+    dp in bf16 with ``half_grads``, the weight gradients handed on at the end of backward with
+    ``grads_at_end``), else as block stacks (:func:`~lightning_3d.cost.formulas.predict_3d`)."""
     m = machine or DEFAULT_MACHINE
     out = []
     for cube in (c for c in range(1, world + 1) if world % c == 0):
@@ -83,10 +83,10 @@ def best_grid(
     """The ``(px, py, pz)`` with the lowest predicted step time that fits in memory (dp = world /
     px·py·pz); the model is the global-batch GPT stack of ``hidden``, ``heads``, ``seq``, ``batch``
     and ``layers`` (``ffn``, ``kv_heads``, ``gated`` and ``vocab`` as :class:`ModelShape`: with
-    ``vocab``, the whole training step of :func:`~lightning_3d.cost.formulas.predict_job`, its blocks ``compiled`` or not, its
-    gradient reduction over dp in bf16 with ``half_grads``, its weight gradients handed on at the end
-    of backward with ``grads_at_end``), its products collective matmuls with ``async_tp``. This is
-    what ``grid="auto"`` uses when the model's shape is known.
+    ``vocab``, the whole training step of :func:`~lightning_3d.cost.formulas.predict_job`, its blocks
+    ``compiled`` or not, its gradient reduction over dp in bf16 with ``half_grads``, its weight gradients
+    handed on at the end of backward with ``grads_at_end``), its products collective matmuls with
+    ``async_tp``. This is what ``grid="auto"`` uses when the model's shape is known.
 
     Raises:
         ValueError: no grid divides the shape, or none fits in memory.

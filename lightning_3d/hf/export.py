@@ -97,7 +97,8 @@ def checkpoint_to_pretrained(
     prefix: str | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> None:
-    """A sharded checkpoint of a parallelized ``transformers`` model, saved on any grid, as a ``from_pretrained`` folder.
+    """A sharded checkpoint of a parallelized ``transformers`` model, saved on any grid, as a
+    ``from_pretrained`` folder.
 
     One process, no process group. The checkpoint's dense tensors
     (:func:`lightning_3d.checkpoint.to_dense`, in the original layouts; ``prefix`` as there, by

@@ -13,7 +13,8 @@ the grid before anything changes; its ``prepare``, run once the modules are repl
 the Hugging Face code reads per rank: GPT-2's ``split_size`` and ``num_heads``; Llama's attention
 input as a y-batch view (a pre-hook on each attention,
 :func:`~lightning_3d.hf.interface.attention_input_as_y_batch`); the model's ``loss_function``
-(:func:`~lightning_3d.hf.interface.causal_lm_loss_3d`). The plan's ``before_forward`` lays each call out (:func:`~lightning_3d.hf.interface.lay_out_inputs`).
+(:func:`~lightning_3d.hf.interface.causal_lm_loss_3d`). The plan's ``before_forward`` lays each call out
+(:func:`~lightning_3d.hf.interface.lay_out_inputs`).
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ class Dropout3D(nn.Module):
 
 @torch.compiler.disable
 def _drop(x: torch.Tensor, p: float) -> torch.Tensor:
-    """``x`` masked by this rank's stream (module doc); opaque to ``torch.compile``, whose own RNG would not follow the scheme."""
+    """``x`` masked by this rank's stream (module doc); opaque to ``torch.compile``, whose own RNG would not
+    follow the scheme."""
     seed = int(torch.randint(0, 2**62, (1,)).item())
     rank = dist.get_rank() if dist.is_initialized() else 0
     gen = torch.Generator(device=x.device)

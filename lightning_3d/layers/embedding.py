@@ -78,7 +78,8 @@ class VocabParallelEmbedding3D(Module3D):
         b = ids.shape[0]
         if b % (px * py):
             raise ValueError(
-                f"VocabParallelEmbedding3D: batch {b} must be divisible by px·py = {px * py} on grid {self.grid.shape}; "
+                f"VocabParallelEmbedding3D: batch {b} must be divisible by px·py = {px * py} on grid "
+                f"{self.grid.shape}; "
                 f"use a batch that is a multiple of {px * py}"
             )
         i, j = self.grid.coord("x"), self.grid.coord("y")

@@ -63,7 +63,8 @@ class QueryGroupedQKV(Linear):
         return layer
 
     def dense_order(self, out_features: int) -> tuple[int, tuple[int, ...]]:
-        """``(block, order)``: dense head-row block ``k`` is the 3-D layer's block ``order[k]``, blocks of ``hs`` rows."""
+        """``(block, order)``: dense head-row block ``k`` is the 3-D layer's block ``order[k]``, blocks of
+        ``hs`` rows."""
         r, kv = self.queries_per_kv, out_features // self.head_size
         queries = [
             g * kv + t for t in range(kv) for g in range(r)

@@ -6,8 +6,9 @@ and up. With grouped-query attention (``r = n_head / n_kv_head`` query heads per
 ``c_attn.weight`` ``[(r + 2)·n_kv·d, h]`` stacks r query slots, then k, then v, each
 ``[n_kv·d, h]``: slot ``g`` holds the query heads ``t·r + g`` for ``t = 0 … n_kv−1`` (those of
 key/value head ``t``). Every slot splits over y like k and v, so a y rank holds whole query
-groups with their key/value heads. With ``tie_embeddings`` the head's weight is the token embedding's (``lm_head.weight`` and
-``transformer.wte.weight`` are one parameter, under both keys, as in Hugging Face's GPT-2).
+groups with their key/value heads. With ``tie_embeddings`` the head's weight is the token embedding's
+(``lm_head.weight`` and ``transformer.wte.weight`` are one parameter, under both keys, as in Hugging Face's
+GPT-2).
 
 Every module works on whatever part of the activation it is given, so the same code runs
 parallelized: attention views its input as ``-1`` heads of ``head_dim`` (the heads of a rank), the

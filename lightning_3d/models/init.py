@@ -17,7 +17,8 @@ STD = 0.02
 
 @torch.no_grad()
 def init_dense_tensor_(key: str, t: torch.Tensor, config: GPTConfig) -> None:
-    """Fill the dense tensor ``key``: norms 1, biases 0, residual projections ``N(0, 0.02/√(2L))``, the rest ``N(0, 0.02)``."""
+    """Fill the dense tensor ``key``: norms 1, biases 0, residual projections ``N(0, 0.02/√(2L))``, the rest
+    ``N(0, 0.02)``."""
     if key.endswith(".bias"):
         t.zero_()
     elif ".ln_" in key or key.startswith("transformer.ln_f"):

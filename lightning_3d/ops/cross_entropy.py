@@ -144,7 +144,8 @@ def vocab_parallel_cross_entropy(
     if targets.shape[0] != b_local * grid.size(rows) or targets.shape[1:] != logits.shape[1:-1]:
         raise ValueError(
             f"targets {list(targets.shape)} do not match y-layout logits {list(logits.shape)} on grid {grid.shape}: "
-            f"expected [{b_local * grid.size(rows)}, {', '.join(map(str, logits.shape[1:-1]))}] (batch = {b_local}·px·pz)"
+            f"expected [{b_local * grid.size(rows)}, {', '.join(map(str, logits.shape[1:-1]))}] (batch = "
+            f"{b_local}·px·pz)"
         )
     padded = logits.shape[-1] * grid.size(layout.feature_axis)
     if check_targets:

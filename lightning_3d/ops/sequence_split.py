@@ -60,7 +60,8 @@ def split_sequence(x: torch.Tensor, rank: int, ranks: int, dim: int = 1) -> torc
 
 
 def unsplit_sequence(parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The whole sequence ``[..., s, ...]`` from every rank's local tokens ``parts[r]`` ``[..., 2L, ...]``, in rank order."""
+    """The whole sequence ``[..., s, ...]`` from every rank's local tokens ``parts[r]`` ``[..., 2L, ...]``, in
+    rank order."""
     ranks = len(parts)
     if ranks == 0 or len({p.shape[dim] for p in parts}) != 1 or parts[0].shape[dim] % 2:
         raise ValueError(

@@ -239,8 +239,8 @@ def attend_local_chunks(
     length = check_split(seq_len, ranks)
     if q.shape[1] != 2 * length or v.shape != k.shape or heads % kv_heads or q.shape[-1] != k.shape[-1]:
         raise ValueError(
-            f"expected q [b, 2L={2 * length}, heads, d] and k, v [b, s={seq_len}, kv_heads, d] with heads a multiple of "
-            f"kv_heads, got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
+            f"expected q [b, 2L={2 * length}, heads, d] and k, v [b, s={seq_len}, kv_heads, d] with heads "
+            f"a multiple of kv_heads, got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
         )
     out = _ZigZagAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), rank, ranks, scale)
     return out.transpose(1, 2).flatten(-2)

@@ -18,7 +18,8 @@ KINDS = ("layernorm", "rmsnorm")
 
 @dataclass(frozen=True)
 class NormKind:
-    """What a registered norm class computes: ``center`` (LayerNorm) or not (RMSNorm); ``eps_attr`` holds its epsilon."""
+    """What a registered norm class computes: ``center`` (LayerNorm) or not (RMSNorm); ``eps_attr`` holds its
+    epsilon."""
 
     center: bool
     eps_attr: str

@@ -136,7 +136,8 @@ class Norm(Rule):
                 name,
                 module,
                 "this norm class is not registered",
-                f"call lightning_3d.parallel.register_norm({type(module).__name__!r}, 'layernorm' or 'rmsnorm', eps_attr=...)",
+                f"call lightning_3d.parallel.register_norm({type(module).__name__!r}, 'layernorm' or "
+                "'rmsnorm', eps_attr=...)",
             )
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         shape = tuple(getattr(module, "normalized_shape", ())) or (

@@ -75,7 +75,8 @@ def set_options(model: nn.Module, **changes) -> None:
     unknown = set(changes) - {f.name for f in dataclasses.fields(RuntimeOptions)}
     if unknown:
         raise ValueError(
-            f"unknown RuntimeOptions fields {sorted(unknown)}; fields: {[f.name for f in dataclasses.fields(RuntimeOptions)]}"
+            f"unknown RuntimeOptions fields {sorted(unknown)}; fields: "
+            f"{[f.name for f in dataclasses.fields(RuntimeOptions)]}"
         )
     check_options(RuntimeOptions(**changes), grid_of(model))
     for runtime in _runtimes(model):

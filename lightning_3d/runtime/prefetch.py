@@ -1,4 +1,5 @@
-"""WeightPrefetch: each weight's all-gather started ``depth`` (default four) 3-D products ahead, in forward and in backward.
+"""WeightPrefetch: each weight's all-gather started ``depth`` (default four) 3-D products ahead, in forward
+and in backward.
 
 One belongs to a model (its :class:`~lightning_3d.runtime.Runtime`); the products of the model's
 layers reach it through the runtime they are handed.

@@ -48,9 +48,9 @@ class _Check:
                 f" or ignore_index {self.ignore_index}" if self.ignore_index is not None else ""
             )
             raise ValueError(
-                f"{self.who}: {self.what} {int(self.ids[where])} at index {where} of {list(self.ids.shape)} is outside {allowed} "
-                f"({int(self.bad.sum())} such); the vocabulary has {self.size} tokens: map the {self.what}s into [0, {self.size}) "
-                "or build the model with the tokenizer's vocabulary size"
+                f"{self.who}: {self.what} {int(self.ids[where])} at index {where} of {list(self.ids.shape)} "
+                f"is outside {allowed} ({int(self.bad.sum())} such); the vocabulary has {self.size} tokens: "
+                f"map the {self.what}s into [0, {self.size}) or build the model with the tokenizer's vocabulary size"
             )
 
 

@@ -100,7 +100,8 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             numbers that do not multiply to the world size.
     """
 
-    # Set by each namespace's class: its grid-aware precision plugins, summary callbacks and helpers (info, worker_init_function).
+    # Set by each namespace's class: its grid-aware precision plugins, summary callbacks and helpers (info,
+    # worker_init_function).
     grid_precisions: ClassVar[dict[type, type]]
     lightning_version: ClassVar[str]
 
@@ -163,7 +164,8 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
     # ----- the grid -----
 
     def set_world_ranks(self) -> None:
-        """Also check the grid against the world (and ``model_shape``): in the launching process, before any other starts."""
+        """Also check the grid against the world (and ``model_shape``): in the launching process, before any
+        other starts."""
         super().set_world_ranks()
         self._resolve_grid()
 
@@ -241,10 +243,12 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None
     ) -> None:
-        """A sharded checkpoint directory: DCP shards, ``layout.json``, ``rng/``, and ``meta.pt`` (loops, callbacks, ...)."""
+        """A sharded checkpoint directory: DCP shards, ``layout.json``, ``rng/``, and ``meta.pt`` (loops,
+        callbacks, ...)."""
         if storage_options is not None:
             raise TypeError(
-                "Tensor3DStrategy.save_checkpoint does not take storage_options: it writes with torch.distributed.checkpoint"
+                "Tensor3DStrategy.save_checkpoint does not take storage_options: it writes with "
+                "torch.distributed.checkpoint"
             )
         path = Path(self.broadcast(str(filepath)))
         if resume_point(path, checkpoint) == self._resumed_from:

@@ -30,7 +30,8 @@ FABRIC_STATE_KEY = (
     "tensor3d_fabric_state"  # in the meta of a checkpoint Fabric wrote: which state entries were saved how
 )
 META_CLASSES = (GPTConfig,)
-"""The classes ``meta.pt`` may hold besides plain data: the library's model config (a LightningModule's hyper-parameter)."""
+"""The classes ``meta.pt`` may hold besides plain data: the library's model config (a LightningModule's
+hyper-parameter)."""
 
 
 def save_sharded(
@@ -69,7 +70,8 @@ def load_sharded(
     meta: dict[str, Any],
     strict: bool = True,
 ) -> None:
-    """Load checkpoint ``path`` (written on any grid and dp) into ``module`` and ``optimizers``. Collective over the world.
+    """Load checkpoint ``path`` (written on any grid and dp) into ``module`` and ``optimizers``. Collective
+    over the world.
 
     Args:
         optimizers: ``{index in the checkpoint: optimizer}``.

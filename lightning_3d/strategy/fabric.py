@@ -1,4 +1,5 @@
-"""``Tensor3DFabricStrategy`` for ``lightning.fabric`` (``import lightning as L``); registered as ``"tensor3d"`` on import."""
+"""``Tensor3DFabricStrategy`` for ``lightning.fabric`` (``import lightning as L``); registered as
+``"tensor3d"`` on import."""
 
 from ..versions import require
 

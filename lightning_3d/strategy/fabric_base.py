@@ -110,7 +110,8 @@ def rebind_parameters_(
         if missing:
             raise ValueError(
                 f"the optimizer holds parameters that are not the model's ({missing[:4]}): create it from "
-                "model.parameters(), or after model = fabric.setup_module(model), then fabric.setup_optimizers(optimizer)"
+                "model.parameters(), or after model = fabric.setup_module(model), then "
+                "fabric.setup_optimizers(optimizer)"
             )
         group["params"] = [params[names[id(p)]] for p in group["params"]]
 
@@ -235,7 +236,8 @@ class Tensor3DFabricMixin(GridStrategy):
     # ----- the grid -----
 
     def _set_world_ranks(self) -> None:
-        """Also check the grid against the world: at ``Fabric(...)``, in the launching process, before any other starts."""
+        """Also check the grid against the world: at ``Fabric(...)``, in the launching process, before any
+        other starts."""
         super()._set_world_ranks()
         self._resolve_grid()
 
@@ -255,7 +257,8 @@ class Tensor3DFabricMixin(GridStrategy):
     # ----- model and optimizers -----
 
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
-        """Build on ``meta`` with ``empty_init=True`` (``setup`` makes each rank's shards), else on this rank's device."""
+        """Build on ``meta`` with ``empty_init=True`` (``setup`` makes each rank's shards), else on this
+        rank's device."""
         stack = contextlib.ExitStack()
         stack.enter_context(torch.device("meta") if empty_init else self.root_device)
         stack.enter_context(self.precision.module_init_context())
@@ -269,7 +272,8 @@ class Tensor3DFabricMixin(GridStrategy):
         and moved to this rank's device; ``async_tp`` set on its options."""
         if isinstance(module, DistributedDataParallel):
             raise TypeError(
-                "pass fabric.setup the model itself, not wrapped in DistributedDataParallel: the strategy wraps it over dp"
+                "pass fabric.setup the model itself, not wrapped in DistributedDataParallel: the strategy "
+                "wraps it over dp"
             )
         with same_on_every_rank():
             if any(isinstance(m, Module3D) for m in module.modules()):
@@ -313,7 +317,8 @@ class Tensor3DFabricMixin(GridStrategy):
         norm_type: float = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        """Clip by the model's global norm (each distinct shard counted once); returns that norm, the same on every rank."""
+        """Clip by the model's global norm (each distinct shard counted once); returns that norm, the same on
+        every rank."""
         self.precision.unscale_gradients(optimizer)
         return clip_grad_norm_(
             self.precision.main_params(optimizer),
@@ -355,7 +360,8 @@ class Tensor3DFabricMixin(GridStrategy):
         """
         if storage_options is not None:
             raise TypeError(
-                f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with torch.distributed.checkpoint"
+                f"{type(self).__name__}.save_checkpoint does not take storage_options: it writes with "
+                "torch.distributed.checkpoint"
             )
         if filter is not None:
             raise NotImplementedError(
@@ -444,7 +450,8 @@ class Tensor3DFabricMixin(GridStrategy):
         """
         if self.checkpoint_on_preemption is not None and state is None:
             raise ValueError(
-                f"check_preemption(state) needs the state to save to checkpoint_on_preemption={str(self.checkpoint_on_preemption)!r}: "
+                "check_preemption(state) needs the state to save to "
+                f"checkpoint_on_preemption={str(self.checkpoint_on_preemption)!r}: "
                 "pass what fabric.save would take ({'model': model, 'optimizer': optimizer, ...})"
             )
         if self._watch is None:

@@ -1,4 +1,5 @@
-"""``python -m lightning_3d.strategy.fabric_cli run --strategy tensor3d --devices 8 train.py``: ``fabric run`` knowing ``"tensor3d"``.
+"""``python -m lightning_3d.strategy.fabric_cli run --strategy tensor3d --devices 8 train.py``: ``fabric run``
+knowing ``"tensor3d"``.
 
 Fabric's command line checks ``--strategy`` against its strategy registry as the ``fabric``
 command starts, in a process that has not imported ``lightning_3d``, so the stock ``fabric run``

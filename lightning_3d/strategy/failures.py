@@ -79,7 +79,8 @@ class ReportFailuresOnce:
             print(
                 f"tensor3d: a collective failed on rank {self.global_rank} of {self.world_size} (grid {px}×{py}×{pz}, "
                 f"timeout {self._timeout.total_seconds():.0f} s): another rank died or stalled. The run cannot go on; "
-                f"restart it with Trainer.fit(..., ckpt_path=<last checkpoint>). Cause: {str(exception).splitlines()[0]}",
+                "restart it with Trainer.fit(..., ckpt_path=<last checkpoint>). Cause: "
+                f"{str(exception).splitlines()[0]}",
                 file=sys.stderr,
                 flush=True,
             )

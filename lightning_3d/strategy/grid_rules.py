@@ -28,7 +28,8 @@ def auto_shape(n: int) -> tuple[int, int, int]:
 
 
 def check_grid_arg(grid) -> str | tuple[int, int, int]:
-    """``"auto"`` or three positive ints ``(px, py, pz)`` (:func:`lightning_3d.arguments.grid_shape`); ``ValueError`` otherwise."""
+    """``"auto"`` or three positive ints ``(px, py, pz)`` (:func:`lightning_3d.arguments.grid_shape`);
+    ``ValueError`` otherwise."""
     return grid if grid == "auto" else arguments.grid_shape(grid)
 
 

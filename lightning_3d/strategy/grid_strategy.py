@@ -46,7 +46,8 @@ _DDP_SET_BY_STRATEGY = {"self", "module", "device_ids", "output_device", "proces
 
 
 def checked_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` if ``DistributedDataParallel`` takes every name and the strategy sets none of them; else ``ValueError``."""
+    """``kwargs`` if ``DistributedDataParallel`` takes every name and the strategy sets none of them; else
+    ``ValueError``."""
     accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - _DDP_SET_BY_STRATEGY
     wrong = sorted(set(kwargs) - accepted)
     if wrong:
@@ -78,7 +79,8 @@ class GridStrategy(GridData):
         ddp_comm_state: object | None,
         ddp_kwargs: dict[str, Any],
     ) -> None:
-        """Check and keep the arguments both strategies take (see ``Tensor3DMixin``); ``ValueError`` naming a bad one."""
+        """Check and keep the arguments both strategies take (see ``Tensor3DMixin``); ``ValueError`` naming a
+        bad one."""
         self._grid_arg = grid_rules.check_grid_arg(grid)
         self._dp_arg = grid_rules.check_dp_arg(data_parallel_size)
         self._model_shape = model_shape
@@ -122,13 +124,15 @@ class GridStrategy(GridData):
         return shape, dp
 
     def start_grid(self) -> Grid:
-        """Build (or reuse) this world's grid and make it current; collective over the world, once the processes are up."""
+        """Build (or reuse) this world's grid and make it current; collective over the world, once the
+        processes are up."""
         shape, dp = self._resolve_grid()
         self._grid = _grid(shape, dp, self.root_device.type, self._timeout)
         set_grid(self._grid)
         px, py, pz = shape
         self.info(
-            f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, async_tp={self.async_tp}"
+            f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, "
+            f"async_tp={self.async_tp}"
             f", across nodes: {'+'.join(self._grid.axes_across_nodes) or 'nothing'}"
         )
         return self._grid
@@ -166,6 +170,7 @@ class GridStrategy(GridData):
         self._zero = {}
 
     def holds_state(self, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], bool]:
-        """Whether this rank keeps a parameter's state in ``optimizer`` (its ZeRO-1 share; every parameter without ZeRO)."""
+        """Whether this rank keeps a parameter's state in ``optimizer`` (its ZeRO-1 share; every parameter
+        without ZeRO)."""
         zero = self._zero.get(id(optimizer))
         return zero.holds_state if zero is not None else (lambda p: True)

@@ -1,4 +1,5 @@
-"""``Tensor3DStrategy`` for ``lightning.pytorch`` (``import lightning as L``); registered as ``"tensor3d"`` on import."""
+"""``Tensor3DStrategy`` for ``lightning.pytorch`` (``import lightning as L``); registered as ``"tensor3d"`` on
+import."""
 
 from ..versions import require
 

@@ -61,13 +61,15 @@ def on_grid(plugin, classes: dict[type, type]):
     if cls is None:
         raise ValueError(
             f"the tensor3d strategy supports the precisions {SUPPORTED} (it clips gradients by the global 3-D "
-            f"norm through its own plugins); got the plugin {type(plugin).__qualname__}: pass Trainer(precision=...) instead"
+            f"norm through its own plugins); got the plugin {type(plugin).__qualname__}: pass "
+            "Trainer(precision=...) instead"
         )
     return cls(**{name: getattr(plugin, name) for name in inspect.signature(cls).parameters})
 
 
 def fabric_precision(plugin, supported: tuple[type, ...]):
-    """``plugin`` (a Fabric precision plugin) if its type is one of ``supported``, its fp16 scaler made :func:`agreed_scaler`'s.
+    """``plugin`` (a Fabric precision plugin) if its type is one of ``supported``, its fp16 scaler made
+    :func:`agreed_scaler`'s.
 
     Fabric's strategy clips by the global norm itself (``clip_gradients_norm``), so Fabric's own
     plugins serve as they are; ``None`` comes back as it is.
@@ -82,8 +84,9 @@ def fabric_precision(plugin, supported: tuple[type, ...]):
     if type(plugin) not in supported:
         raise ValueError(
             f"the tensor3d Fabric strategy supports the precisions {FABRIC_SUPPORTED}; got the plugin "
-            f"{type(plugin).__qualname__}, which replaces the model's layers (Transformer Engine, bitsandbytes: the 3-D "
-            "layers replace them themselves) or belongs to another strategy: pass Fabric(precision=...) with one of those"
+            f"{type(plugin).__qualname__}, which replaces the model's layers (Transformer Engine, "
+            "bitsandbytes: the 3-D layers replace them themselves) or belongs to another strategy: "
+            "pass Fabric(precision=...) with one of those"
         )
     if getattr(plugin, "scaler", None) is not None:
         plugin.scaler = agreed_scaler(plugin.scaler, plugin.device)

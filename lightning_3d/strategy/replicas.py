@@ -56,7 +56,8 @@ class GridData:
 
     @property
     def grid(self) -> Grid:
-        """The process grid (exists once the processes are set up: before ``configure_model``, or at ``Fabric.launch``)."""
+        """The process grid (exists once the processes are set up: before ``configure_model``, or at
+        ``Fabric.launch``)."""
         if self._grid is None:
             raise RuntimeError(
                 f"{type(self).__name__}.grid exists once the processes are set up "

@@ -69,7 +69,8 @@ class GlobalCounts:
 
 
 class GlobalSummaryCallback:
-    """Mixed into Lightning's ``callbacks.ModelSummary``: it summarises with :attr:`summary_class` (a :class:`GlobalCounts`)."""
+    """Mixed into Lightning's ``callbacks.ModelSummary``: it summarises with :attr:`summary_class` (a
+    :class:`GlobalCounts`)."""
 
     summary_class: type
 
@@ -78,14 +79,16 @@ class GlobalSummaryCallback:
 
 
 class SummariseGlobally:
-    """Strategy mixin: :meth:`summarise_globally` swaps Lightning's summary callbacks for their full-model subclasses."""
+    """Strategy mixin: :meth:`summarise_globally` swaps Lightning's summary callbacks for their full-model
+    subclasses."""
 
     summary_callbacks: dict[
         type, type
     ]  # Lightning's callback class → its subclass mixing in GlobalSummaryCallback
 
     def summarise_globally(self, trainer) -> None:
-        """Replace each of ``trainer``'s summary callbacks by the subclass of the same settings (``_max_depth``, ``_summarize_kwargs``)."""
+        """Replace each of ``trainer``'s summary callbacks by the subclass of the same settings
+        (``_max_depth``, ``_summarize_kwargs``)."""
         trainer.callbacks = [self._global(callback) for callback in trainer.callbacks]
 
     def _global(self, callback):
