@@ -1,7 +1,9 @@
-"""Runs a comparison the way its numbers can be trusted: every case in a process of its own, the
+r"""Runs a comparison the way its numbers can be trusted: every case in a process of its own, the
 order rotated between repeats, then each case's median and range over the repeats.
 
-``python benchmarks/launch.py --nproc 4 --repeats 3 --out DIR --cases "3d 4x1x1 compile;fsdp2 compile noreshard" -- --model llama-7b``
+    python benchmarks/launch.py --nproc 4 --repeats 3 --out DIR \
+        --cases "3d 4x1x1 compile;fsdp2 compile noreshard" -- --model llama-7b
+
 starts, for repeat ``r``, one ``torchrun --nproc_per_node 4 train_job.py`` per case (the arguments
 after ``--`` passed on), the cases in the given order rotated by ``r`` (so each case in turn runs
 first), all of repeat ``r``'s cases appended to ``DIR/repeat{r}/``; then prints ``report.py``'s

@@ -104,7 +104,8 @@ KERNEL_KINDS = (
 
 
 def kernel_kind(event: dict) -> str:
-    """``communication``, ``matmul``, ``attention``, ``compiled`` (Inductor's Triton kernels), ``memset`` or ``other``."""
+    """``communication``, ``matmul``, ``attention``, ``compiled`` (Inductor's Triton kernels), ``memset`` or
+    ``other``."""
     if _is_comm(event):
         return "communication"
     if event.get("cat") == "gpu_memset":
@@ -121,8 +122,9 @@ def kernel_timeline(trace_path: str) -> dict:
     """From a chrome trace: ms of GPU time with communication running and no compute kernel
     (exposed communication, also by collective, and the most exposed collectives one by one as
     ``[collective, k-th of its name in the trace, exposed ms, ms]``), of anything running (busy), of nothing running
-    between the first and last kernel (idle, and its longest gaps with the kernels on either side), of communication in all, the summed
-    time and count of kernels of each :func:`kernel_kind`, and the longest kernels by name (ms, count)."""
+    between the first and last kernel (idle, and its longest gaps with the kernels on either side), of
+    communication in all, the summed time and count of kernels of each :func:`kernel_kind`, and the longest
+    kernels by name (ms, count)."""
     opener = gzip.open if trace_path.endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]

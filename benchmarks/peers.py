@@ -101,7 +101,8 @@ class PeerGPT(nn.Module):
         super().__init__()
         if config.tie_embeddings:
             raise ValueError(
-                "PeerGPT has an untied output layer (as torchtitan's Transformer); build GPTConfig(tie_embeddings=False)"
+                "PeerGPT has an untied output layer (as torchtitan's Transformer); build "
+                "GPTConfig(tie_embeddings=False)"
             )
         self.config = config
         factory = {"device": "meta"}

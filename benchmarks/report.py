@@ -63,7 +63,8 @@ def table(path: str) -> str:
     best_3d = min((c for c in ran if not _is_peer(c["case"])), key=lambda c: c["step_ms"], default=None)
     head = (
         f"{meta['model']} ({meta['params'] / 1e9:.2f}B parameters), {meta['world']} GPU(s), {meta['links']}: "
-        f"{meta['device']}, torch {meta['torch']}, {meta['date']}, {meta['commit']}; batch {meta['batch']}×{meta['seq']}, "
+        f"{meta['device']}, torch {meta['torch']}, {meta['date']}, {meta['commit']}; batch "
+        f"{meta['batch']}×{meta['seq']}, "
         f"matmul {meta['matmul_tflops']:.0f} TFLOP/s; median of {meta['steps']} steps after {meta['warmup']}"
     )
     lines = [
@@ -81,7 +82,8 @@ def table(path: str) -> str:
         bold = "**" if c is best_peer or c is best_3d else ""
         losses = " ".join(f"{v:.4f}" for v in c["losses"])
         lines.append(
-            f"| {bold}{name}{bold} | {c['step_ms']:.1f} | {c['tokens_per_s']:,.0f} | {c['mfu']:.1%} | {c['peak_GiB']:.2f} | {losses} | {ratio} |"
+            f"| {bold}{name}{bold} | {c['step_ms']:.1f} | {c['tokens_per_s']:,.0f} | {c['mfu']:.1%} | "
+            f"{c['peak_GiB']:.2f} | {losses} | {ratio} |"
         )
     return "\n".join(lines)
 
@@ -285,7 +287,8 @@ def planner(
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {short(r['file'])} | {r['world']} | {r['links']} | {r['model']} | {r['case']} | {r['step_ms']:.1f} | {r['pred_ms']:.1f} "
+        f"| {short(r['file'])} | {r['world']} | {r['links']} | {r['model']} | {r['case']} | "
+        f"{r['step_ms']:.1f} | {r['pred_ms']:.1f} "
         f"| {100 * r['step_err']:+.1f}% | {r['peak_GiB']:.2f} | {r['pred_GiB']:.2f} | "
         + ("–" if r["mem_err"] is None else f"{100 * r['mem_err']:+.1f}%")
         + " |"
@@ -301,13 +304,15 @@ def planner(
         "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {short(c['file'])} | {c['variant'] or '(eager)'} | {c['pick']} | {c['pick_ms']:.1f} | {c['best']} | {c['best_ms']:.1f} "
+        f"| {short(c['file'])} | {c['variant'] or '(eager)'} | {c['pick']} | {c['pick_ms']:.1f} | "
+        f"{c['best']} | {c['best_ms']:.1f} "
         f"| {100 * c['loss']:+.1f}% |"
         for c in choices(points)
     ]
     worst_t = max(points, key=lambda r: abs(r["step_err"]))
     lines.append(
-        f"\n{len(points)} points: worst step-time error {100 * worst_t['step_err']:+.1f}% ({worst_t['case']}, {worst_t['file']})"
+        f"\n{len(points)} points: worst step-time error {100 * worst_t['step_err']:+.1f}% "
+        f"({worst_t['case']}, {worst_t['file']})"
     )
     with_peaks = [r for r in points if r["mem_err"] is not None]
     if with_peaks:
@@ -348,7 +353,8 @@ def sent_bytes(paths: list[str]) -> str:
     collective, and the cost model's prediction (3-D cases; for FSDP2 without resharding and DDP, the
     3-D grid that runs their algorithm) with the ratio of counted to predicted."""
     lines = [
-        "| file | case | all-gather MB | reduce-scatter MB | all-reduce MB | other MB | total MB | predicted MB | counted / predicted |",
+        "| file | case | all-gather MB | reduce-scatter MB | all-reduce MB | other MB | total MB | predicted "
+        "MB | counted / predicted |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for path in paths:
@@ -414,9 +420,11 @@ def standings(paths: list[str]) -> str:
             metas = [m for _, m, _ in runs]
             name = case + (f" (= {runs[0][0]['picks']})" if "picks" in runs[0][0] else "")
             out.append(
-                f"| {name} | {tokens[case]:,.0f}{spread} | {statistics.median(c['mfu'] for c, _, _ in runs):.1%} | {peak} | {ratio} "
+                f"| {name} | {tokens[case]:,.0f}{spread} | "
+                f"{statistics.median(c['mfu'] for c, _, _ in runs):.1%} | {peak} | {ratio} "
                 f"| {', '.join(sorted({r for _, _, r in runs}))} | {metas[0]['device']} "
-                f"| {', '.join(sorted({m['date'][:10] for m in metas}))} | {', '.join(sorted({m.get('commit') or '–' for m in metas}))} |"
+                f"| {', '.join(sorted({m['date'][:10] for m in metas}))} | "
+                f"{', '.join(sorted({m.get('commit') or '–' for m in metas}))} |"
             )
         out.append("")
     return "\n".join(out)
@@ -466,7 +474,8 @@ def plot_svg(paths: list[str], title: str = "") -> str:
     width = left + len(data) * (panel_w + 20) + 10
     height = top + panel_h + bottom + 20 * ((len(families) + 2) // 3)
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+        'font-size="11">',
         f'<rect width="{width}" height="{height}" fill="white"/>',
         f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">{title}</text>',
     ]
@@ -496,8 +505,9 @@ def plot_svg(paths: list[str], title: str = "") -> str:
                 v = by_world[world][family] / 1e3
                 x = x0 + i * group_w + 8 + j * bar_w
                 out.append(
-                    f'<rect x="{x:.1f}" y="{y0 + panel_h - v * scale:.1f}" width="{bar_w - 1:.1f}" height="{v * scale:.1f}" '
-                    f'fill="{COLOURS[[n for n, _ in FAMILIES].index(family)]}"><title>{family}: {v:.1f}k tokens/s</title></rect>'
+                    f'<rect x="{x:.1f}" y="{y0 + panel_h - v * scale:.1f}" width="{bar_w - 1:.1f}" '
+                    f'height="{v * scale:.1f}" fill="{COLOURS[[n for n, _ in FAMILIES].index(family)]}">'
+                    f"<title>{family}: {v:.1f}k tokens/s</title></rect>"
                 )
             out.append(
                 f'<text x="{x0 + (i + 0.5) * group_w:.1f}" y="{y0 + panel_h + 14}" text-anchor="middle">'
@@ -510,7 +520,8 @@ def plot_svg(paths: list[str], title: str = "") -> str:
     for k, family in enumerate(families):
         x, y = left + (k % 3) * 200, top + panel_h + bottom + 20 * (k // 3)
         out.append(
-            f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{COLOURS[[n for n, _ in FAMILIES].index(family)]}"/>'
+            f'<rect x="{x}" y="{y - 9}" width="10" height="10" '
+            f'fill="{COLOURS[[n for n, _ in FAMILIES].index(family)]}"/>'
             f'<text x="{x + 14}" y="{y}">{family}</text>'
         )
     out.append("</svg>")

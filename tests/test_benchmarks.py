@@ -397,8 +397,8 @@ def test_repeats_take_each_cases_median_over_processes(tmp_path):
 
 
 def test_profile_timelines_from_traces(tmp_path):
-    """``kernel_timeline`` splits a trace's GPU time by kind and exposure (also by collective); ``peer_waits`` aligns two
-    ranks' traces on the wall clock (different bases) and splits each collective into the wait for
+    """``kernel_timeline`` splits a trace's GPU time by kind and exposure (also by collective); ``peer_waits``
+    aligns two ranks' traces on the wall clock (different bases) and splits each collective into the wait for
     the last rank and the time after it; a kernel name whose count differs between ranks is left out."""
     import gzip
 

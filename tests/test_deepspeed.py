@@ -242,8 +242,9 @@ def training_job(shape, stages, ckpt_root):
 
 
 def gpt_job(shape, stage, ckpt_root, grads_at_end=False):
-    """GPT3D (tied, padded vocabulary, fused q/k/v) against DenseGPT: losses and norms; export equals the engine's weights.
-    With ``grads_at_end`` the weight gradients reach DeepSpeed's hooks at the end of backward."""
+    """GPT3D (tied, padded vocabulary, fused q/k/v) against DenseGPT: losses and norms; export equals the
+    engine's weights. With ``grads_at_end`` the weight gradients reach DeepSpeed's hooks at the end of
+    backward."""
     import torch.distributed as dist
 
     import deepspeed_3d
@@ -467,8 +468,8 @@ def test_bf16_zero_1_and_3_1x1x2_dp2():
 def test_initialize_errors(tmp_path):
     messages = harness.run(4, errors_job, (1, 1, 2), str(tmp_path))[0]
     assert (
-        "train_batch_size 16 != train_micro_batch_size_per_gpu 4 × gradient_accumulation_steps 1 × dp = world 4 / (px·py·pz = 1·1·2) = 2 = 8"
-        in messages["batch"]
+        "train_batch_size 16 != train_micro_batch_size_per_gpu 4 × gradient_accumulation_steps 1 × dp = "
+        "world 4 / (px·py·pz = 1·1·2) = 2 = 8" in messages["batch"]
     )
     assert "bf16 without ZeRO" in messages["precision"] and '"stage": 1' in messages["precision"]
     assert "[2, 1, 1]" in messages["section"] and "1×1×2" in messages["section"]

@@ -99,7 +99,8 @@ MODELS = {
 
 
 def random_model(name: str, seed: int) -> nn.Module:
-    """A float64 model whose every tensor is random (no unit norms, no zero biases): models of two seeds differ everywhere."""
+    """A float64 model whose every tensor is random (no unit norms, no zero biases): models of two seeds
+    differ everywhere."""
     torch.manual_seed(seed)
     model = MODELS[name]().to(F64)
     with torch.no_grad():

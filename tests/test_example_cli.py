@@ -1,4 +1,5 @@
-"""The examples' command lines: every option shows its default; the DeepSpeed one names the install command when DeepSpeed is missing.
+"""The examples' command lines: every option shows its default; the DeepSpeed one names the install command
+when DeepSpeed is missing.
 
 ``--help`` runs each example in this process (its imports are this process's: no interpreter to
 start); DeepSpeed missing needs an interpreter of its own.

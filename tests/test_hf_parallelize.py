@@ -485,7 +485,8 @@ LIGHTNING_TOL = 1e-9
 
 
 def run_ranks(script: Path, world: int, *args: str, timeout: float = 240) -> None:
-    """``script *args`` on ``world`` local ranks (env set as a launcher would); fail with the failed ranks' log tails."""
+    """``script *args`` on ``world`` local ranks (env set as a launcher would); fail with the failed ranks'
+    log tails."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])

@@ -183,7 +183,8 @@ def test_litgpt_models_equal_litgpt_on_grids():
 
 
 def refusals(grid) -> dict:
-    """Each unsupported config or call raises a ValueError naming it (0: raised as expected), before the model changes."""
+    """Each unsupported config or call raises a ValueError naming it (0: raised as expected), before the model
+    changes."""
     from litgpt import Config
     from litgpt.model import GPT
 

@@ -1,4 +1,5 @@
-"""Supported versions: ``lightning_3d.versions.MINIMUMS`` against ``pyproject.toml``, the refusal and where it is raised."""
+"""Supported versions: ``lightning_3d.versions.MINIMUMS`` against ``pyproject.toml``, the refusal and where it
+is raised."""
 
 from __future__ import annotations
 

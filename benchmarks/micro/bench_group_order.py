@@ -28,7 +28,8 @@ from lightning_3d.models.attention import apply_rope, rope_tables  # noqa: E402
 
 
 def heads_then_rope(y: torch.Tensor, r: int, d: int, rope) -> tuple[torch.Tensor, ...]:
-    """``y`` ``[b, s, px, r + 2, kv·d/px]`` → q ``[b, s, r·kv, d]`` (head t·r + g), k, v; groups and heads copied into order, then rotated."""
+    """``y`` ``[b, s, px, r + 2, kv·d/px]`` → q ``[b, s, r·kv, d]`` (head t·r + g), k, v; groups and heads
+    copied into order, then rotated."""
     packed = y.transpose(-3, -2).flatten(-3)
     width = packed.shape[-1] // (r + 2)  # of one group
     q, k, v = packed.split([r * width, width, width], -1)

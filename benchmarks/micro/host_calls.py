@@ -6,10 +6,10 @@ host's is not) each call runs 300 times after 30 untimed; the host's time per ca
 GPU synchronised only after. Calls: a product's custom op (``torch.ops.lightning_3d.matmul3d`` and
 its backward, as compiled blocks call them on grids not cut over x only) against the same forward
 and backward called as Python functions, the two ops a compiled product calls on a grid cut over x
-only (the weight's gather; the backward GEMMs with dB's reduce-scatter), a weight gradient's reduce-scatter left for the end of backward, one and four at a time,
-a block's flat weight gather, the collectives and stream calls they make, and a custom op with a
-trivial body against the Python function alone: what dispatch costs. Results go to
-``DIR/host_calls.json``.
+only (the weight's gather; the backward GEMMs with dB's reduce-scatter), a weight gradient's reduce-scatter
+left for the end of backward, one and four at a time, a block's flat weight gather, the collectives and stream
+calls they make, and a custom op with a trivial body against the Python function alone: what dispatch costs.
+Results go to ``DIR/host_calls.json``.
 
 One process (``--nproc_per_node 1``) times only the products and the trivial op, on grid 1×1×1:
 nothing is sent, so the custom op against the Python it runs is the dispatch alone, which gloo's

@@ -104,13 +104,15 @@ def main() -> None:
             p.join()
         rows.append(results[0])
     print(
-        f"DenseGPT {args.layers}×{args.width}, vocab {args.vocab}, fp32, grid {'×'.join(map(str, args.grid))}, rank 0 (MiB):"
+        f"DenseGPT {args.layers}×{args.width}, vocab {args.vocab}, fp32, grid "
+        f"{'×'.join(map(str, args.grid))}, rank 0 (MiB):"
     )
     print("| build | dense model | this rank's shards | RSS before parallelize | peak during | RSS after |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['build']} | {r['dense_mb']} | {r['shards_mb']} | {r['rss_before_mb']} | {r['peak_during_mb']} | {r['rss_after_mb']} |"
+            f"| {r['build']} | {r['dense_mb']} | {r['shards_mb']} | {r['rss_before_mb']} | "
+            f"{r['peak_during_mb']} | {r['rss_after_mb']} |"
         )
     if args.out:
         with open(args.out, "w") as f:

@@ -120,7 +120,8 @@ def main() -> None:
     }
     if run.rank == 0:
         print(
-            f"{name} {method.label}: check on {on:.2f} ms, off {off:.2f} ms, cost {on - off:+.2f} ms ({result['cost_pct']:+.2f}%); "
+            f"{name} {method.label}: check on {on:.2f} ms, off {off:.2f} ms, cost {on - off:+.2f} ms "
+            f"({result['cost_pct']:+.2f}%); "
             f"per-round differences {min(diffs):+.2f} .. {max(diffs):+.2f} ms",
             flush=True,
         )

@@ -1,4 +1,5 @@
-"""Driver: a script that ``fabric run --strategy tensor3d --accelerator cpu --devices 2 --precision bf16-mixed`` launches.
+"""Driver: a script that
+``fabric run --strategy tensor3d --accelerator cpu --devices 2 --precision bf16-mixed`` launches.
 
 ``lightning_3d`` is imported first, without importing Lightning; ``"tensor3d"`` is then registered
 in both Fabric namespaces. ``Fabric()`` takes the strategy, accelerator and devices from the

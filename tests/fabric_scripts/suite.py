@@ -64,8 +64,8 @@ def fabric_run(
     micro_batches: int = 1,
     loaded: tuple[str, ...] = ("model", "optimizer", "scheduler", "step"),
 ) -> None:
-    """One Fabric loop of ``STEPS`` steps (see the module doc); ``separately``: ``setup_module`` then ``setup_optimizers``;
-    ``loaded``: the entries of the state restored from ``load``."""
+    """One Fabric loop of ``STEPS`` steps (see the module doc); ``separately``: ``setup_module`` then
+    ``setup_optimizers``; ``loaded``: the entries of the state restored from ``load``."""
     L = importlib.import_module(namespace)
     fabric = L.Fabric(accelerator="cpu", devices=4, strategy=strategy, precision="64-true")
     fabric.launch()

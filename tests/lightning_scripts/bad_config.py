@@ -1,4 +1,5 @@
-"""Driver: a 2-process run (Lightning's own launcher) whose ``configure_model`` builds a layer that does not split on 2×1×1.
+"""Driver: a 2-process run (Lightning's own launcher) whose ``configure_model`` builds a layer that does not
+split on 2×1×1.
 
 Every rank raises the same error; rank 0 must show it with its traceback, the other one line.
 Rank 0 prints ``configure_model at <time.monotonic()>`` first, so the test times the error from there.

@@ -50,7 +50,8 @@ class Tokens(Dataset):
 
 
 class WithDraws(Dataset):
-    """``(index, tokens, draw)``: ``draw`` is ``torch.rand(())`` taken in the dataloader worker that loads the sample."""
+    """``(index, tokens, draw)``: ``draw`` is ``torch.rand(())`` taken in the dataloader worker that loads the
+    sample."""
 
     def __init__(self, data: Dataset):
         self.data = data
@@ -72,7 +73,8 @@ def module_class(namespace: str):
     pl = importlib.import_module(namespace)
 
     class LitGPT(pl.LightningModule):
-        """``workers > 0``: the training data is loaded by that many worker processes, which draw a random number a sample."""
+        """``workers > 0``: the training data is loaded by that many worker processes, which draw a random
+        number a sample."""
 
         def __init__(self, dropout: float = 0.0, workers: int = 0):
             super().__init__()

@@ -8,7 +8,8 @@
   ``init_grid`` on grids 2×1×1 (dp 2: a cube per node) and 2×2×1 (one cube on both nodes), three
   AdamW steps of GPT3D against DenseGPT on the same global batches, in every rank.
 
-Each process writes ``OUT/pid.<pid>`` at start; each rank writes ``OUT/<mode>.rank<r>.json``: its grid, node, where the cube's axes lie, and losses.
+Each process writes ``OUT/pid.<pid>`` at start; each rank writes ``OUT/<mode>.rank<r>.json``: its grid, node,
+where the cube's axes lie, and losses.
 """
 
 import datetime
