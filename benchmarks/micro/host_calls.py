@@ -88,7 +88,7 @@ def main() -> None:
     w = torch.nn.Parameter(torch.randn(h // px * 3, h, device=device))
     schedule = MatmulSchedule("abt", (gy, gx, gz), (1, px, 1), True, bf16, True, False, 1, False)
     runtime = Runtime()
-    args = products._op_args(schedule, runtime)
+    op_args = products._op_args(schedule, runtime)
     grad_full = torch.randn(h * 3, h, device=device, dtype=bf16)
     block = [torch.randn(h * 3, h, device=device, dtype=bf16) for _ in range(4)]
     weights = [torch.nn.Parameter(torch.randn(h // px * 3, h, device=device)) for _ in range(4)]
@@ -110,25 +110,26 @@ def main() -> None:
         c, _, kept_b = products._forward(schedule, runtime, a, w, None)
         grad_c = torch.randn_like(c)
         shapes = [a.dim(), *a.shape, *w.shape]
-        timed("product forward, custom op", lambda: torch.ops.lightning_3d.matmul3d(a, w, None, *args))
+        timed("product forward, custom op", lambda: torch.ops.lightning_3d.matmul3d(a, w, None, *op_args))
         timed("product forward, Python", lambda: products._forward(schedule, runtime, a, w, None))
         timed(
             "product backward, custom op",
             lambda: torch.ops.lightning_3d.matmul3d_backward(
-                grad_c, a, kept_b, w, shapes, bf16, torch.float32, bf16, [True, True, False], *args
+                grad_c, a, kept_b, w, shapes, bf16, torch.float32, bf16, [True, True, False], *op_args
             ),
         )
         timed(
             "product backward, Python",
             lambda: products._backward(schedule, runtime, grad_c, a, kept_b, (True, True, False), w),
         )
-        w_full = torch.ops.lightning_3d.gathered_weight(w, *args)
+        w_full = torch.ops.lightning_3d.gathered_weight(w, *op_args)
         timed(
-            "x-grid product, the weight's gather op", lambda: torch.ops.lightning_3d.gathered_weight(w, *args)
+            "x-grid product, the weight's gather op",
+            lambda: torch.ops.lightning_3d.gathered_weight(w, *op_args),
         )
         timed(
             "x-grid product, its backward op",
-            lambda: torch.ops.lightning_3d.gathered_product_backward(grad_c, a, w_full, w, True, *args),
+            lambda: torch.ops.lightning_3d.gathered_product_backward(grad_c, a, w_full, w, True, *op_args),
         )
         timed("custom op, trivial body", lambda: torch.ops.host_calls.trivial(a, 1))
         timed("its Python function", lambda: trivial(a, 1))
