@@ -203,20 +203,19 @@ class _ZigZagAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         length = q.shape[2] // 2
-        dout = dout.contiguous()
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for (slot, start, end, causal), state in zip(ctx.blocks, ctx.states):
             rows = slice(slot * length, (slot + 1) * length)
-            # each block's backward gets its own copy of the log-sum-exp, as measured right with cuDNN on torch
-            # 2.11 (one copy, and contiguous copies of dout and out, shared by a chunk's two: wrong gradients)
+            # the kernels take the rows' output, its gradient and log-sum-exp as dense tensors of the
+            # block's own (cuDNN reads rows cut from a longer sequence wrongly, and may write to them)
             grads = _block_backward(
                 ctx.kernel,
-                dout[:, :, rows],
+                dout[:, :, rows].clone(memory_format=torch.contiguous_format),
                 q[:, :, rows],
                 k[:, :, start:end],
                 v[:, :, start:end],
-                out[:, :, rows],
-                lse[:, :, rows].clone(),
+                out[:, :, rows].clone(memory_format=torch.contiguous_format),
+                lse[:, :, rows].clone(memory_format=torch.contiguous_format),
                 causal,
                 ctx.scale,
                 state,
