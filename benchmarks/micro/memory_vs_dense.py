@@ -110,8 +110,8 @@ def init_single_process(cpu: bool) -> None:
 
 
 def gpt_pair(fields: dict, seq: int, device, compile_: bool):
-    """(dense, parallelized) GPT of ``fields`` holding the same weights: DenseGPT with each block
-    compiled, GPT3D with ``RuntimeOptions(compile=...)``."""
+    """(dense, twin, loss) for GPT ``fields``: DenseGPT with each block compiled, and ``twin(dense)``,
+    which makes GPT3D with ``RuntimeOptions(compile=...)`` holding the dense model's weights."""
     import lightning_3d
     from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
 
@@ -125,7 +125,7 @@ def gpt_pair(fields: dict, seq: int, device, compile_: bool):
             dense.loss
         )  # as torchtitan compiles its loss; GPT3D compiles its loss's local passes
 
-    def twin():
+    def twin(dense):
         model = GPT3D(config, device=device, options=lightning_3d.RuntimeOptions(compile=compile_))
         model.load_dense_state_dict({k.replace("_orig_mod.", ""): v for k, v in dense.state_dict().items()})
         return model
@@ -134,8 +134,9 @@ def gpt_pair(fields: dict, seq: int, device, compile_: bool):
 
 
 def hf_pair(fields: dict, seq: int, device, compile_: bool):
-    """(dense, parallelized) ``LlamaForCausalLM`` of ``fields``: each decoder layer compiled, and its
-    ``parallelize``d copy with ``RuntimeOptions(compile=...)``; the loss is transformers' (labels)."""
+    """(dense, twin, loss) for ``LlamaForCausalLM`` ``fields``: each decoder layer compiled, and
+    ``twin(dense)``, its ``parallelize``d copy with ``RuntimeOptions(compile=...)``; the loss is
+    transformers' (labels)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import lightning_3d
@@ -150,7 +151,7 @@ def hf_pair(fields: dict, seq: int, device, compile_: bool):
             dense.model.layers[i] = torch.compile(layer)
         dense.loss_function = torch.compile(dense.loss_function)
 
-    def twin():
+    def twin(_dense):
         return parallelize(base.to(device), options=lightning_3d.RuntimeOptions(compile=compile_))
 
     return dense, twin, lambda model, ids: model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -378,7 +379,7 @@ def run_case(name: str, args) -> dict:
     dense, twin, loss_of = make(fields, seq, device, compile_)
     kw = {"cpu": cpu, "warmup": args.warmup, "steps": args.steps, "snapshot": args.snapshot}
     result["dense"] = measure(dense, loss_of, ids, **kw)
-    model = twin()
+    model = twin(dense)  # the dense model is an argument, held by nothing once deleted here
     del dense
     free(cpu)
     torch.compiler.reset()
