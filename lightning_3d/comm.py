@@ -46,7 +46,11 @@ def all_gather_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = 
 
 
 def all_gather_dim0_together(
-    ts: list[torch.Tensor], group: dist.ProcessGroup, dtype: torch.dtype | None = None
+    ts: list[torch.Tensor],
+    group: dist.ProcessGroup,
+    dtype: torch.dtype | None = None,
+    *,
+    streams: SideStreams,
 ) -> tuple[list[torch.Tensor], object]:
     """:func:`all_gather_dim0` of each of ``ts`` (cast to ``dtype``, default each one's own) over
     ``group``, asynchronously, as one collective; returns ``(outputs, handle)``.
@@ -54,7 +58,7 @@ def all_gather_dim0_together(
     The tensors are cast into one flat buffer ``[Σ numel]``, which is gathered at once into
     ``[g·Σ numel]`` (rank r's buffer r-th), as FSDP gathers a block's parameters; each output
     ``[g·n_i, ...]`` is then copied out of its columns. On CUDA the cast and the gather's launch
-    run on one side stream and the copy on another, as soon as the gather lands, so that neither
+    run on one of ``streams`` and the copy on another, as soon as the gather lands, so that neither
     takes the caller's stream; ``handle.wait()`` only makes the caller's stream wait for the copy.
     On CPU ``handle.wait()`` waits and copies. Tensors of different dtypes are gathered one by one.
     """
@@ -67,28 +71,39 @@ def all_gather_dim0_together(
     flat = torch.empty(sum(sizes), dtype=cast[0], device=ts[0].device)
     gathered = flat.new_empty(g * flat.numel())
     outs = [flat.new_empty((g * t.shape[0],) + t.shape[1:]) for t in ts]
-    with beside("weight casts", flat), torch.no_grad():  # a parameter's copy records no autograd history
+    # a parameter's copy records no autograd history
+    with streams.beside("weight casts", flat), torch.no_grad():
         for part, t in zip(flat.split(sizes), ts):
             part.view(t.shape).copy_(t)
         work = _all_gather(gathered, flat, group=group, async_op=True)  # NCCL waits for this stream only
-    return outs, _CopiedOut(work, flat, gathered, outs, sizes)
+    return outs, _CopiedOut(work, flat, gathered, outs, sizes, streams)
 
 
-@contextlib.contextmanager
-def beside(purpose: str, *tensors: torch.Tensor):
-    """On CUDA, run the block on the side stream kept for ``purpose`` (yielded), after the work queued so
-    far on the caller's stream, which made ``tensors`` and keeps using them; elsewhere, run it in
-    place (yields None)."""
-    device = tensors[0].device
-    if device.type != "cuda":
-        yield None
-        return
-    side = _side_stream(purpose, device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        yield side
-    for t in tensors:
-        t.record_stream(side)
+class SideStreams:
+    """CUDA streams beside the compute stream, one per purpose and device, made on first use, so that
+    work of one kind runs beside the compute stream without queueing behind another kind's. A model's
+    :class:`~lightning_3d.runtime.Runtime` owns one and hands it to the code that needs a stream."""
+
+    def __init__(self):
+        self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+
+    @contextlib.contextmanager
+    def beside(self, purpose: str, *tensors: torch.Tensor):
+        """On CUDA, run the block on the stream kept for ``purpose`` (yielded), after the work queued so
+        far on the caller's stream, which made ``tensors`` and keeps using them; elsewhere, run it in
+        place (yields None)."""
+        device = tensors[0].device
+        if device.type != "cuda":
+            yield None
+            return
+        side = self._streams.get((purpose, device))
+        if side is None:
+            side = self._streams[purpose, device] = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            yield side
+        for t in tensors:
+            t.record_stream(side)
 
 
 class _AllOf:
@@ -106,14 +121,20 @@ class _CopiedOut:
     """Handle of :func:`all_gather_dim0_together`'s gather: its outputs copied out of the gathered buffer."""
 
     def __init__(
-        self, work, flat: torch.Tensor, gathered: torch.Tensor, outs: list[torch.Tensor], sizes: list[int]
+        self,
+        work,
+        flat: torch.Tensor,
+        gathered: torch.Tensor,
+        outs: list[torch.Tensor],
+        sizes: list[int],
+        streams: SideStreams,
     ):
         self._copy = (gathered, outs, sizes)
         self._work, self._done, self._device = work, None, gathered.device
         if (
             gathered.device.type == "cuda"
         ):  # flat, read by the gather, is not reused before this stream has waited for it
-            with beside("gathered outputs", flat, gathered, *outs):
+            with streams.beside("gathered outputs", flat, gathered, *outs):
                 work.wait()  # the side stream waits for the gather; the host does not (unless TORCH_NCCL_BLOCKING_WAIT)
                 self._copy_out()
                 self._done = torch.cuda.Event()
@@ -131,18 +152,6 @@ class _CopiedOut:
         elif self._work is not None:
             self._work.wait()
             self._copy_out()
-
-
-_side_streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
-
-
-def _side_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
-    """The CUDA stream of ``device`` kept for ``purpose`` (one per purpose, made on first use), so
-    that work of one kind runs beside the compute stream without queueing behind another kind's."""
-    key = (purpose, device)
-    if key not in _side_streams:
-        _side_streams[key] = torch.cuda.Stream(device)
-    return _side_streams[key]
 
 
 def reduce_scatter_dim0(t: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False):

@@ -68,7 +68,7 @@ def together_job():
     ]
     same = []
     for items, dtype in ((ts, None), (ts, torch.float32), ([ts[0], ts[1].float()], None)):
-        outs, handle = comm.all_gather_dim0_together(items, group, dtype)
+        outs, handle = comm.all_gather_dim0_together(items, group, dtype, streams=comm.SideStreams())
         handle.wait()
         handle.wait()
         expected = [comm.all_gather_dim0(t.to(dtype or t.dtype), group)[0] for t in items]

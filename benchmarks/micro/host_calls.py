@@ -99,11 +99,11 @@ def main() -> None:
         runtime.late_grads.pending.clear()
 
     def block_gather() -> None:
-        _, handle = comm.all_gather_dim0_together(weights, gx, bf16)
+        _, handle = comm.all_gather_dim0_together(weights, gx, bf16, streams=runtime.streams)
         handle.wait()
 
     def beside() -> None:
-        with comm.beside("weight gradients", grad_full):
+        with runtime.streams.beside("weight gradients", grad_full):
             pass
 
     with torch.no_grad():
@@ -140,7 +140,7 @@ def main() -> None:
             timed("a block's 4 weights gathered as one, copied out", block_gather)
             timed("reduce_scatter_dim0", lambda: comm.reduce_scatter_dim0(grad_full, gx))
             timed("all_gather_dim0", lambda: comm.all_gather_dim0(w.detach(), gx))
-            timed("comm.beside, empty", beside)
+            timed("SideStreams.beside, empty", beside)
     if rank == 0:
         for name, t in us.items():
             print(f"{t:9.1f} us  {name}")

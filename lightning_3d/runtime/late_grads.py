@@ -76,7 +76,8 @@ class WeightGradsAtEnd:
     from autograd as before.
     """
 
-    def __init__(self):
+    def __init__(self, streams: comm.SideStreams):
+        self.streams = streams  # the model's: the reduce-scatters run on its "weight gradients" stream
         # gradients started and not handed on yet, by weight storage: [(shard, side stream)]
         self.pending: dict[tuple, list[tuple[torch.Tensor, torch.cuda.Stream | None]]] = {}
         self.queued: list[
@@ -135,7 +136,7 @@ class WeightGradsAtEnd:
         one_dtype = (
             weights[0].dtype if len({w.dtype for w in weights}) == 1 else None
         )  # then cast once, as one row
-        with comm.beside("weight gradients", *grads) as side:
+        with self.streams.beside("weight gradients", *grads) as side:
             shards = comm.reduce_scatter_dim0_together(list(grads), groups[0], one_dtype)
             shards = [shard.to(weight.dtype) for shard, weight in zip(shards, weights)]
         for shard, weight in zip(shards, weights):

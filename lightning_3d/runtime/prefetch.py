@@ -20,8 +20,8 @@ class _GatherOrder:
     """The order one pass gathers weights in, recorded the first time, and the gathers started
     for the ``depth`` weights that come next, ``together`` at a time."""
 
-    def __init__(self, depth: int, together: int):
-        self.depth, self.together = depth, together
+    def __init__(self, depth: int, together: int, streams: comm.SideStreams):
+        self.depth, self.together, self.streams = depth, together, streams
         self.order: list[tuple[torch.Tensor, object]] = []
         self.position: dict[tuple, int] = {}
         self.ahead: list[tuple] = []  # (position, key, version, dtype, gathered, handle), in order
@@ -41,7 +41,7 @@ class _GatherOrder:
             gathered = self.ahead.pop(0)[4:]
         else:  # nothing usable in flight (a pass's first weight): this one alone, not its whole run
             self.drop()
-            (gathered,) = _start_gathers([(w, group)], dtype)
+            (gathered,) = _start_gathers([(w, group)], dtype, self.streams)
         started = {entry[0] for entry in self.ahead}
         for following in range(here + 1, min(here + 1 + self.depth, len(self.order))):
             if following not in started:
@@ -53,7 +53,7 @@ class _GatherOrder:
         ``together``; returns the positions started."""
         end = min((position // self.together + 1) * self.together, len(self.order))
         items = self.order[position:end]
-        for offset, ((w, _), gathered) in enumerate(zip(items, _start_gathers(items, dtype))):
+        for offset, ((w, _), gathered) in enumerate(zip(items, _start_gathers(items, dtype, self.streams))):
             self.ahead.append(_fetched_ahead(position + offset, w, dtype, gathered))
         return set(range(position, position + len(items)))
 
@@ -95,11 +95,16 @@ class WeightPrefetch:
     follow the blocks where no other weight comes first.
 
     A parallelized model makes its own from ``RuntimeOptions.prefetch``, ``prefetch_depth`` and
-    ``gathered_together`` (:class:`~lightning_3d.runtime.Runtime`).
+    ``gathered_together`` (:class:`~lightning_3d.runtime.Runtime`), handing it the runtime's
+    ``streams`` (:class:`~lightning_3d.comm.SideStreams`, on which its gathers cast and copy out
+    on CUDA); without them it keeps streams of its own.
     """
 
     def __init__(
-        self, depth: int = RuntimeOptions.prefetch_depth, together: int = RuntimeOptions.gathered_together
+        self,
+        depth: int = RuntimeOptions.prefetch_depth,
+        together: int = RuntimeOptions.gathered_together,
+        streams: comm.SideStreams | None = None,
     ):
         depth = _check_count(
             "depth", depth, "how many weights are gathered ahead", RuntimeOptions.prefetch_depth
@@ -111,7 +116,9 @@ class WeightPrefetch:
             RuntimeOptions.gathered_together,
         )
         self.depth, self.together = depth, together
-        self._forward, self._backward = _GatherOrder(depth, together), _GatherOrder(depth, together)
+        self.streams = streams if streams is not None else comm.SideStreams()
+        self._forward = _GatherOrder(depth, together, self.streams)
+        self._backward = _GatherOrder(depth, together, self.streams)
         self._forwards = 0  # forwards of the model entered and not yet left
         self._served_forward = False  # a forward ended: backward's re-gathers are served
 
@@ -165,16 +172,19 @@ class WeightPrefetch:
         """The same in backward, for a product that did not keep its gathered weight. A weight
         this prefetch's forward did not gather is gathered plainly."""
         if _storage_key(w) not in self._forward.position:
-            return _start_gathers([(w, group)], dtype)[0]
+            return _start_gathers([(w, group)], dtype, self.streams)[0]
         return self._backward.gather(w, group, dtype)
 
 
-def _start_gathers(items: list[tuple[torch.Tensor, object]], dtype: torch.dtype | None) -> list[tuple]:
+def _start_gathers(
+    items: list[tuple[torch.Tensor, object]], dtype: torch.dtype | None, streams: comm.SideStreams
+) -> list[tuple]:
     """``(gathered, handle)`` of each ``(w, group)``: ``w`` in ``dtype`` all-gathered over
-    ``group``, asynchronously; consecutive weights of one group as one collective."""
+    ``group``, asynchronously (on CUDA, beside the caller's stream on ``streams``); consecutive
+    weights of one group as one collective."""
     out = []
     for group, run in itertools.groupby(items, key=lambda item: item[1]):
-        gathered, handle = comm.all_gather_dim0_together([w for w, _ in run], group, dtype)
+        gathered, handle = comm.all_gather_dim0_together([w for w, _ in run], group, dtype, streams=streams)
         out += [(g, handle) for g in gathered]
     return out
 

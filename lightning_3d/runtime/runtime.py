@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import weakref
 
+from ..comm import SideStreams
 from ..options import RuntimeOptions
 from .late_grads import WeightGradsAtEnd
 from .prefetch import WeightPrefetch
@@ -29,14 +30,17 @@ class Runtime:
             ``prefetch_depth`` and ``gathered_together``; :meth:`WeightPrefetch.attach` sets one.
         late_grads: the :class:`WeightGradsAtEnd` holding the weight gradients left for the end of
             backward (``options.grads_at_end``).
+        streams: the :class:`~lightning_3d.comm.SideStreams` (CUDA, made on first use) on which
+            its prefetch and late gradients work beside the compute stream.
         token_checks: the :class:`DeferredTokenChecks` open during each forward of the model.
         name: how a compiled product's custom ops find it (:func:`runtime_named`).
     """
 
     def __init__(self, options: RuntimeOptions | None = None, gathers_weights: bool = False):
         self.gathers_weights = gathers_weights
+        self.streams = SideStreams()
         self.prefetch: WeightPrefetch | None = None
-        self.late_grads = WeightGradsAtEnd()
+        self.late_grads = WeightGradsAtEnd(self.streams)
         self.token_checks = DeferredTokenChecks()
         self.name = f"runtime{next(_NUMBERS)}"
         _NAMED[self.name] = self
@@ -52,7 +56,7 @@ class Runtime:
             if not options.prefetch:
                 self.prefetch = None
             elif self.prefetch is None or (self.prefetch.depth, self.prefetch.together) != wanted:
-                self.prefetch = WeightPrefetch(*wanted)
+                self.prefetch = WeightPrefetch(*wanted, streams=self.streams)
 
     def __deepcopy__(self, memo) -> Runtime:
         """A copy of a model runs with a runtime of its own, with the same options."""
