@@ -525,10 +525,9 @@ def resolve_auto(
         run.world,
         run.world,
         ModelShape.of(config, batch, seq),
-        method.async_tp,
-        machine,
-        method.half_grads,
-        method.grads_at_end,
+        options=lightning_3d.RuntimeOptions(async_tp=method.async_tp, grads_at_end=method.grads_at_end),
+        machine=machine,
+        half_grads=method.half_grads,
     )
     return dataclasses.replace(method, grid=tuple(grid), dp=dp)
 

@@ -3,17 +3,18 @@
 .. code-block:: json
 
     {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-     "tensor3d": {"grid": [2, 2, 1], "async_tp": false}}
+     "tensor3d": {"grid": [2, 2, 1], "options": {"async_tp": true}}}
 
-``async_tp`` (optional, default false) sets the model's ``lightning_3d.RuntimeOptions.async_tp``:
-the 3-D products run their activation gathers and scatters as collective matmuls. Every rank of one cube sees
-the same micro-batch, so DeepSpeed's batch arithmetic runs over the data-parallel size
-``dp = world / (px·py·pz)``, not over the world size.
+``options`` (optional): fields of the model's ``lightning_3d.RuntimeOptions`` that ``initialize`` sets
+on every 3-D layer (``lightning_3d.parallel.set_options``); the others stay as the model was built.
+Every rank of one cube sees the same micro-batch, so DeepSpeed's batch arithmetic runs over the
+data-parallel size ``dp = world / (px·py·pz)``, not over the world size.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from typing import Any
@@ -24,9 +25,10 @@ import torch.distributed as dist
 import lightning_3d
 from lightning_3d import arguments
 from lightning_3d.grid import Grid
+from lightning_3d.options import RuntimeOptions
 
 SECTION = "tensor3d"
-_SECTION_KEYS = {"grid", "async_tp"}
+_SECTION_KEYS = {"grid", "options"}
 
 
 def load_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
@@ -50,8 +52,8 @@ def grid_shape(config: dict[str, Any]) -> tuple[int, int, int] | None:
         return None
     if not isinstance(section, dict) or set(section) - _SECTION_KEYS or "grid" not in section:
         raise ValueError(
-            f'the "{SECTION}" section must be {{"grid": [px, py, pz]}} with an optional "async_tp": true/false, '
-            f"got {section!r}"
+            f'the "{SECTION}" section must be {{"grid": [px, py, pz]}} with an optional '
+            f'"options": {{<RuntimeOptions fields>}}, got {section!r}'
         )
     try:
         return arguments.grid_shape(section["grid"])
@@ -59,12 +61,26 @@ def grid_shape(config: dict[str, Any]) -> tuple[int, int, int] | None:
         raise ValueError(f'"{SECTION}": {{"grid": [px, py, pz]}}: {e}') from None
 
 
-def async_tp(config: dict[str, Any]) -> bool:
-    """The ``"tensor3d"`` section's ``"async_tp"`` (false when absent)."""
-    value = (config.get(SECTION) or {}).get("async_tp", False)
-    if not isinstance(value, bool):
-        raise ValueError(f'"{SECTION}": {{"async_tp": ...}} must be true or false, got {value!r}')
-    return value
+def runtime_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``"tensor3d"`` section's ``"options"``: the ``RuntimeOptions`` fields it changes (none when absent),
+    checked as ``RuntimeOptions`` checks them."""
+    options = (config.get(SECTION) or {}).get("options", {})
+    fields = [f.name for f in dataclasses.fields(RuntimeOptions)]
+    if not isinstance(options, dict):
+        raise ValueError(
+            f'"{SECTION}": {{"options": ...}} must map RuntimeOptions fields to values, e.g. '
+            f'{{"async_tp": true}}; got {options!r}'
+        )
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ValueError(
+            f'"{SECTION}": {{"options": ...}}: {unknown} are not RuntimeOptions fields; fields: {fields}'
+        )
+    try:
+        RuntimeOptions(**options)
+    except ValueError as e:
+        raise ValueError(f'"{SECTION}": {{"options": ...}}: {e}') from None
+    return options
 
 
 def current_grid() -> Grid | None:

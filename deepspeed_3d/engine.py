@@ -14,11 +14,11 @@ from lightning_3d.parallel import set_options
 from .checkpoint import read_record, tag_dir
 from .config import (
     SECTION,
-    async_tp,
     check_batch_size,
     init_grid_from_config,
     keep_torch_linear,
     load_config,
+    runtime_options,
 )
 from .grad_norm_tags import tag_grad_norm_params
 from .mpu import GridMPU
@@ -40,26 +40,29 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     ``torch.nn.functional.linear`` alone unless the config asks otherwise
     (:func:`~deepspeed_3d.config.keep_torch_linear`).
 
+    The section's optional ``"options"`` change the model's run-time choices, each field given for
+    every 3-D layer (``"options": {"async_tp": true}``: ``lightning_3d.parallel.set_options(model,
+    async_tp=True)``).
+
     Save and load its checkpoints with :func:`save_checkpoint` / :func:`load_checkpoint`, which
     add the model's sharding record and check it.
 
     Returns:
         What ``deepspeed.initialize`` returns: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
-    The section's ``"async_tp": true`` sets the model's run-time option
-    (``lightning_3d.parallel.set_options(model, async_tp=True)``).
-
     Raises:
-        ValueError: ``mpu`` passed, the section disagrees with the grid, the batch sizes do not
-            satisfy ``train_batch_size = micro × accumulation × dp``, or training in mixed precision
+        ValueError: ``mpu`` passed, the section disagrees with the grid or its ``"options"`` are
+            not ``RuntimeOptions`` fields and values, the batch sizes do not satisfy
+            ``train_batch_size = micro × accumulation × dp``, or training in mixed precision
             without ZeRO.
     """
     if "mpu" in kwargs:
         raise ValueError("deepspeed_3d.initialize builds the mpu from the grid; do not pass mpu=")
     config = load_config(config)
     grid = init_grid_from_config(config)
-    if async_tp(config):
-        set_options(model, async_tp=True)
+    options = runtime_options(config)
+    if options:
+        set_options(model, **options)
     config.pop(SECTION, None)
     check_batch_size(config, grid)
     if (

@@ -127,8 +127,6 @@ class ByteGPT(pl.LightningModule):
         lr: float,
         warmup: int,
         max_steps: int,
-        compile: bool = False,
-        regather: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -148,8 +146,7 @@ class ByteGPT(pl.LightningModule):
                 n_embd=hp.n_embd,
                 dropout=hp.dropout,
             )
-            options = RuntimeOptions(compile=hp.compile, save_gathered=not hp.regather)
-            self.model = GPT3D(config, grid=self.grid, options=options)
+            self.model = GPT3D(config, grid=self.grid)  # run-time choices: the strategy's options
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         return self.model(batch[:, :-1], batch[:, 1:])
@@ -282,6 +279,11 @@ def run_parser(description: str, out: str) -> argparse.ArgumentParser:
     return p
 
 
+def run_options(args: argparse.Namespace) -> dict[str, bool]:
+    """The ``RuntimeOptions`` fields that ``--async-tp``, ``--compile`` and ``--regather`` set."""
+    return {"async_tp": args.async_tp, "compile": args.compile, "save_gathered": not args.regather}
+
+
 def parse_args() -> argparse.Namespace:
     p = run_parser(__doc__.split("\n\n")[0], "runs/train_gpt")
     p.add_argument("--grid", default="auto", help="'auto' or px,py,pz, e.g. 2,2,2")
@@ -324,7 +326,7 @@ def main() -> None:
         data_parallel_size=dp,
         zero_stage=args.zero_stage,
         timeout=args.timeout,
-        async_tp=args.async_tp,
+        options=RuntimeOptions(**run_options(args)),
     )
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
@@ -352,8 +354,6 @@ def main() -> None:
         args.lr,
         args.warmup,
         args.max_steps,
-        args.compile,
-        args.regather,
     )
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
     ckpt_path = newest_checkpoint(out / "checkpoints") if args.resume else None

@@ -20,7 +20,16 @@ import warnings
 from pathlib import Path
 
 import torch
-from train_gpt import ByteGPT, CSVLogger, ModelCheckpoint, StdlibText, TokensPerSecond, pl, run_parser
+from train_gpt import (
+    ByteGPT,
+    CSVLogger,
+    ModelCheckpoint,
+    StdlibText,
+    TokensPerSecond,
+    pl,
+    run_options,
+    run_parser,
+)
 
 try:
     import deepspeed  # noqa: F401
@@ -70,8 +79,7 @@ def main() -> None:
     config = json.loads(Path(args.config).read_text())
     if args.grid:
         config.setdefault("tensor3d", {})["grid"] = [int(s) for s in args.grid.split(",")]
-    if args.async_tp:
-        config.setdefault("tensor3d", {})["async_tp"] = True
+    config.setdefault("tensor3d", {})["options"] = run_options(args)
     strategy = Tensor3DDeepSpeedStrategy(config=config)
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
@@ -98,8 +106,6 @@ def main() -> None:
         args.lr,
         args.warmup,
         args.max_steps,
-        args.compile,
-        args.regather,
     )
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
     trainer.fit(

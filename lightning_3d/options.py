@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .arguments import flag, positive_int
+from .arguments import choice, flag, positive_int
+
+ROWS_CHOICES = ("auto", "sequences", "tokens")  # RuntimeOptions.rows
 
 
 @dataclass
@@ -29,14 +31,12 @@ class RuntimeOptions:
             as many gathered weights of memory). Default on.
         prefetch_depth: how many weights ``prefetch`` gathers ahead (default 4).
         gathered_together: how many consecutive weights start their gathers as one collective
-            (default 4). With a Transformer block's count of gathered weights (four in GPT-2 and
-            Llama blocks) and ``prefetch_depth`` as large, the next block's weights are gathered
-            at once while the current block runs, as FSDP does. With ``grads_at_end``, the fastest
-            setting measured where px > 1, on H100 and H200 (``docs/benchmarks.md``);
-            ``prefetch_depth=2, gathered_together=1`` gathers weight by weight, two products
-            ahead, holding fewer gathered weights. With ``grads_at_end``, the reduce-scatters of
-            as many consecutive weight gradients start as one collective too (a block's, in
-            backward), so that the host issues one a block.
+            (default 4), so that the ranks meet once a run instead of once a weight. As many as a
+            block gathers (four in GPT-2 and Llama blocks), with ``prefetch_depth`` as large,
+            gathers the next block's weights at once while the current block runs, as FSDP does;
+            ``prefetch_depth=2, gathered_together=1`` gathers weight by weight, two products ahead,
+            holding fewer gathered weights. With ``grads_at_end``, the reduce-scatters of as many
+            consecutive weight gradients start as one collective too (a block's, in backward).
         grads_at_end: in a parallelized model, reduce-scatter each gathered weight's gradient
             beside the rest of backward and wait for all of them once, at its end, instead of in
             each product's backward (:mod:`~lightning_3d.runtime.late_grads`; on CUDA, one side stream).
@@ -53,6 +53,10 @@ class RuntimeOptions:
             call). Off, an id out of range looks up a row of zeros and a target out of range
             adds a wrong, finite loss, silently: turn it off only where the data is known to
             be in range, or where no host sync is allowed (CUDA graphs).
+        rows: what the rows of the activations hold (:mod:`lightning_3d.token_rows`): ``"auto"``
+            (default) whole sequences where the batch is a multiple of ``lcm(px·py, px·pz)``,
+            else token rows (chunks of sequences, attention gathering keys and values over the
+            row group); ``"sequences"`` or ``"tokens"`` forces one.
     """
 
     async_tp: bool = False
@@ -64,10 +68,14 @@ class RuntimeOptions:
     activation_checkpointing: bool = False
     compile: bool = False
     check_inputs: bool = True
+    rows: str = "auto"
 
     def __post_init__(self):
         for f in fields(self):  # checked, not coerced: async_tp="no" would read as True
-            (positive_int if f.type == "int" else flag)(getattr(self, f.name), f.name)
+            if f.type == "str":
+                choice(getattr(self, f.name), f.name, ROWS_CHOICES)
+            else:
+                (positive_int if f.type == "int" else flag)(getattr(self, f.name), f.name)
 
     def __setattr__(self, name: str, value) -> None:
         if self.__dict__.get("_fixed"):

@@ -244,12 +244,14 @@ def training_job(shape, stages, ckpt_root):
 def gpt_job(shape, stage, ckpt_root, grads_at_end=False):
     """GPT3D (tied, padded vocabulary, fused q/k/v) against DenseGPT: losses and norms; export equals the
     engine's weights. With ``grads_at_end`` the weight gradients reach DeepSpeed's hooks at the end of
-    backward."""
+    backward. The options come from the config's ``"tensor3d": {"options": ...}``, which changes the
+    fields it names in every layer."""
     import torch.distributed as dist
 
     import deepspeed_3d
     from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
     from lightning_3d.options import RuntimeOptions
+    from lightning_3d.parallel import options_of
 
     _local_rank_env()
     grid = harness.grid(shape)
@@ -257,9 +259,15 @@ def gpt_job(shape, stage, ckpt_root, grads_at_end=False):
     config = GPTConfig(vocab_size=37, block_size=S + 1, n_layer=1, n_head=2, n_embd=16)
     torch.manual_seed(3)
     dense = DenseGPT(config)
-    model = GPT3D(config, grid=grid, options=RuntimeOptions(grads_at_end=grads_at_end))
+    model = GPT3D(config, grid=grid, options=RuntimeOptions(prefetch_depth=2))
     model.load_dense_state_dict(dense.state_dict())
-    engine, *_ = deepspeed_3d.initialize(model=model, config=ds_config(shape, stage, dp))
+    section = {"grid": list(shape), "options": {"grads_at_end": grads_at_end, "check_inputs": False}}
+    engine, *_ = deepspeed_3d.initialize(
+        model=model, config={**ds_config(shape, stage, dp), "tensor3d": section}
+    )
+    applied = options_of(model) == RuntimeOptions(
+        prefetch_depth=2, grads_at_end=grads_at_end, check_inputs=False
+    )
     opt = torch.optim.AdamW(dense.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     ckpt = os.path.join(ckpt_root, f"gpt_zero{stage}")
     loss_err, norm_err, saved = 0.0, 0.0, None
@@ -283,7 +291,7 @@ def gpt_job(shape, stage, ckpt_root, grads_at_end=False):
         if step + 1 == SAVE_AFTER:
             deepspeed_3d.save_checkpoint(engine, ckpt)
             saved = model.dense_state_dict()  # collective over the cube
-    res = {"loss": loss_err, "norm": norm_err}
+    res = {"loss": loss_err, "norm": norm_err, "options_applied": applied}
     if dist.get_rank() == 0:
         exported = deepspeed_3d.to_dense(ckpt)
         res["export_keys"] = sorted(exported) == sorted(dense.state_dict())
@@ -357,7 +365,14 @@ def errors_job(shape, ckpt_root):
         "section": {**ds_config(shape, 1, dp), "tensor3d": {"grid": [2, 1, 1]}},
         "section_keys": {**ds_config(shape, 1, dp), "tensor3d": {"shape": [1, 1, 2]}},
         "grid_type": {**ds_config(shape, 1, dp), "tensor3d": {"grid": [1, True, 2]}},
-        "async_tp_type": {**ds_config(shape, 1, dp), "tensor3d": {"grid": list(shape), "async_tp": "yes"}},
+        "options_value": {
+            **ds_config(shape, 1, dp),
+            "tensor3d": {"grid": list(shape), "options": {"async_tp": "yes"}},
+        },
+        "options_name": {
+            **ds_config(shape, 1, dp),
+            "tensor3d": {"grid": list(shape), "options": {"asynctp": True}},
+        },
     }
     messages = {}
     for what, config in bad.items():
@@ -449,6 +464,7 @@ def test_gpt3d_zero2_1x2x1_dp2(tmp_path):
     results = harness.run(4, gpt_job, (1, 2, 1), 2, str(tmp_path))
     for rank, r in enumerate(results):
         assert r["loss"] < TOL and r["norm"] < TOL, f"rank {rank}: GPT3D vs DenseGPT: {r}"
+        assert r["options_applied"], f"rank {rank}: the config's options did not reach every layer"
     assert results[0]["export_keys"] and results[0]["export_exact"], results[0]
 
 
@@ -456,6 +472,7 @@ def test_gpt3d_zero2_grads_at_end_2x1x1_dp2(tmp_path):
     results = harness.run(4, gpt_job, (2, 1, 1), 2, str(tmp_path), True)
     for rank, r in enumerate(results):
         assert r["loss"] < TOL and r["norm"] < TOL, f"rank {rank}: GPT3D (grads_at_end) vs DenseGPT: {r}"
+        assert r["options_applied"], f"rank {rank}: the config's options did not reach every layer"
 
 
 def test_bf16_zero_1_and_3_1x1x2_dp2():
@@ -475,7 +492,8 @@ def test_initialize_errors(tmp_path):
     assert "[2, 1, 1]" in messages["section"] and "1×1×2" in messages["section"]
     assert '{"grid": [px, py, pz]}' in messages["section_keys"]
     assert "py = True is a bool" in messages["grid_type"]  # checked as init_grid checks it, not coerced
-    assert "must be true or false, got 'yes'" in messages["async_tp_type"]
+    assert "async_tp must be True or False, got 'yes' (a str)" in messages["options_value"]
+    assert "['asynctp'] are not RuntimeOptions fields; fields: ['async_tp', " in messages["options_name"]
     assert "do not pass mpu=" in messages["mpu"]
 
 

@@ -22,8 +22,9 @@ from lightning_3d.strategy.failures import ConfigurationError
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"async_tp": "no"}, "async_tp must be True or False, got 'no'"),
-        ({"async_tp": 1}, "async_tp must be True or False, got 1"),
+        ({"options": {"async_tp": True}}, "options must be a lightning_3d.RuntimeOptions or None"),
+        ({"options": True}, "got True (a bool): e.g. options=RuntimeOptions(async_tp=True)"),
+        ({"async_tp": True}, "pass options=lightning_3d.RuntimeOptions(async_tp=...)"),
         ({"timeout": datetime.timedelta(0)}, "timeout must be positive, got datetime.timedelta(0)"),
         ({"timeout": float("inf")}, "timeout must be a positive, finite number of seconds, got inf"),
         ({"timeout": -5}, "got -5"),

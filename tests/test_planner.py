@@ -8,6 +8,7 @@ import pytest
 
 from lightning_3d import cost
 from lightning_3d.models import GPTConfig
+from lightning_3d.options import RuntimeOptions
 
 A = cost.ModelShape(4096, 32, 2048, 8, 4)
 B = cost.ModelShape(8192, 64, 2048, 4, 2)
@@ -134,9 +135,12 @@ def test_auto_grids_on_nodes_of_8_as_docs_cluster_states(
     assert cost.node_axes(*auto, replace(cost.DEFAULT_MACHINE, gpus_per_node=8)) == across
     if with_async_tp is None:
         with pytest.raises(ValueError, match="no px·py·pz grid"):
-            grid_rules.resolve("auto", "auto", world, 8, shape, async_tp=True)
+            grid_rules.resolve("auto", "auto", world, 8, shape, options=RuntimeOptions(async_tp=True))
     else:
-        assert grid_rules.resolve("auto", "auto", world, 8, shape, async_tp=True) == with_async_tp
+        assert (
+            grid_rules.resolve("auto", "auto", world, 8, shape, options=RuntimeOptions(async_tp=True))
+            == with_async_tp
+        )
 
 
 # ------------------------------------------------------------------ the whole training job

@@ -7,6 +7,7 @@ the runs A–I); the kill test lets Lightning launch its own processes. Every ru
 tiny GPT3D on the same global batches as ``common.dense_reference``.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -150,10 +151,10 @@ def test_auto_grid_prices_a_half_precision_gradient_hook():
     assert pick(None) == pick(default_hooks.allreduce_hook) == ((2, 2, 1), 1)
 
 
-def test_auto_grid_prices_the_default_options():
-    """The model and its options are made after the grid, so ``grid="auto"`` prices the default
-    ``RuntimeOptions``: the weight gradients handed on at the end of backward (``grads_at_end``),
-    which reach the bf16 dp reduction only after backward and so move the pick from 1×2×1 dp 2 to 2×2×1."""
+def test_auto_grid_prices_the_options():
+    """``grid="auto"`` prices the strategy's ``options``, else the defaults (the model is made after the grid):
+    the weight gradients handed on at the end of backward (``grads_at_end``) reach the bf16 dp reduction only
+    after backward and so move the pick from 1×2×1 dp 2 to 2×2×1."""
     import lightning.pytorch as pl
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -165,17 +166,32 @@ def test_auto_grid_prices_the_default_options():
     assert RuntimeOptions().grads_at_end
     priced = {
         late: grid_rules.resolve(
-            "auto", "auto", 4, 4, shape, machine=machine, half_grads=True, grads_at_end=late
+            "auto",
+            "auto",
+            4,
+            4,
+            shape,
+            options=RuntimeOptions(grads_at_end=late),
+            machine=machine,
+            half_grads=True,
         )
         for late in (False, True)
     }
     assert priced == {False: ((1, 2, 1), 2), True: ((2, 2, 1), 1)}
-    strategy = Tensor3DStrategy(
-        model_shape=shape, machine=machine, ddp_comm_hook=default_hooks.bf16_compress_hook
-    )
-    assert pl.Trainer(
-        accelerator="cpu", devices=4, strategy=strategy, logger=False
-    ).strategy._resolve_grid() == ((2, 2, 1), 1)
+
+    def pick(options):
+        strategy = Tensor3DStrategy(
+            model_shape=shape,
+            machine=machine,
+            ddp_comm_hook=default_hooks.bf16_compress_hook,
+            options=options,
+        )
+        return pl.Trainer(
+            accelerator="cpu", devices=4, strategy=strategy, logger=False
+        ).strategy._resolve_grid()
+
+    assert pick(None) == pick(RuntimeOptions()) == ((2, 2, 1), 1)
+    assert pick(RuntimeOptions(grads_at_end=False)) == ((1, 2, 1), 2)
 
 
 def test_grid_rules_and_errors():
@@ -324,6 +340,16 @@ def test_ddp_comm_hook_reduces_dp_gradients_in_half_precision(runs):
     assert i["loss"][1:] != f["loss"][1 : len(i["loss"])], (
         "fp16_compress_hook changed nothing: the hook was not registered"
     )
+
+
+def test_options_reach_every_layer(runs):
+    """``Tensor3DStrategy(options=...)`` replaces the model's options in every 3-D layer at setup; without them the
+    model keeps those it was built with."""
+    from lightning_3d.options import RuntimeOptions
+
+    given = dataclasses.asdict(RuntimeOptions(save_gathered=False, check_inputs=False))
+    assert [r["options"] for r in records(runs, "I")] == [given] * 4
+    assert [r["options"] for r in records(runs, "F")] == [dataclasses.asdict(RuntimeOptions())] * 4
 
 
 def test_resume_continues_exactly(runs):

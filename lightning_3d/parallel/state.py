@@ -60,7 +60,7 @@ def check_options(options: RuntimeOptions, grid: Grid) -> None:
         grid.group("cube"),
         "RuntimeOptions",
         "every rank must run with the same options: set them alike on all ranks (parallelize(options=...), "
-        "set_options(model, ...), Tensor3DStrategy(async_tp=...))",
+        "set_options(model, ...), Tensor3DStrategy(options=...))",
     )
     if options.async_tp:
         check_available(grid.mesh.device_type, grid.cube_size, grid.axes_across_nodes)
@@ -78,6 +78,12 @@ def set_options(model: nn.Module, **changes) -> None:
             f"unknown RuntimeOptions fields {sorted(unknown)}; fields: "
             f"{[f.name for f in dataclasses.fields(RuntimeOptions)]}"
         )
+    runtimes = _runtimes(model)
+    if not runtimes:
+        raise ValueError(
+            f"set_options: {type(model).__name__} holds no 3-D layers to run with options; build them "
+            "(configure_model, GPT3D, ...) or parallelize the model first"
+        )
     check_options(RuntimeOptions(**changes), grid_of(model))
-    for runtime in _runtimes(model):
+    for runtime in runtimes:
         runtime.apply(dataclasses.replace(runtime.options, **changes))

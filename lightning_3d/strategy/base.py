@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import arguments, cost
 from .. import checkpoint as ckpt
 from ..cost import ModelShape
-from ..parallel import set_options
+from ..options import RuntimeOptions
 from .checkpoints import FABRIC_STATE_KEY, load_meta, load_sharded, save_sharded
 from .failures import ReportFailuresOnce, same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
@@ -77,9 +77,11 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         model_shape: ``cost.ModelShape(hidden, heads, seq, batch, layers, ...)`` of the model
             and global batch (``kv_heads``, ``gated`` for Llama-style blocks; ``vocab``: priced as the
             whole training step), for ``grid="auto"``.
-        async_tp: run the activation gathers and scatters of the 3-D products as collective
-            matmuls over symmetric memory (the model's ``RuntimeOptions.async_tp``, set at setup; GPUs of one NVLink
-            domain); see ``docs/benchmarks.md`` for where it pays.
+        options: the model's run-time choices (:class:`lightning_3d.RuntimeOptions`: ``async_tp``,
+            ``compile``, ``activation_checkpointing``, ...); at setup they replace the options of every
+            3-D layer of the model (``set_options``). None keeps those it was built with. With
+            ``model_shape``, ``grid="auto"`` prices their ``async_tp`` and ``grads_at_end``
+            (the defaults' when None).
         machine: the rates ``grid="auto"`` prices with, e.g. ``cost.Machine.from_rates(...)`` of
             what :func:`lightning_3d.cost.measure_machine` measured on these nodes (slow links
             change the choice); default ``cost.DEFAULT_MACHINE``.
@@ -95,9 +97,9 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             and ``process_group``.
 
     Raises:
-        ValueError: a bad ``grid``, ``data_parallel_size``, ``zero_stage``, ``timeout`` or
-            ``async_tp``, a ``ddp_kwargs`` name ``DistributedDataParallel`` does not take; at setup,
-            numbers that do not multiply to the world size.
+        ValueError: a bad ``grid``, ``data_parallel_size``, ``zero_stage`` or ``timeout``,
+            ``options`` not a ``RuntimeOptions``, a ``ddp_kwargs`` name ``DistributedDataParallel``
+            does not take; at setup, numbers that do not multiply to the world size.
     """
 
     # Set by each namespace's class: its grid-aware precision plugins, summary callbacks and helpers (info,
@@ -113,7 +115,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         process_group_backend: str | None = None,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         model_shape: ModelShape | None = None,
-        async_tp: bool = False,
+        options: RuntimeOptions | None = None,
         machine: cost.Machine | None = None,
         checkpoint_on_preemption: str | os.PathLike | None = None,
         accelerator=None,
@@ -140,7 +142,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             data_parallel_size,
             zero_stage,
             model_shape,
-            async_tp,
+            options,
             machine,
             checkpoint_on_preemption,
             ddp_comm_hook,
@@ -200,8 +202,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             raise ValueError(
                 "sync_batchnorm is not supported by the tensor3d strategy; use LayerNorm3D / RMSNorm3D"
             )
-        if self.async_tp:
-            set_options(self.lightning_module, async_tp=True)
+        self.apply_options(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == FITTING:

@@ -44,7 +44,7 @@ from ..cost import ModelShape
 from ..grad_norm import clip_grad_norm_
 from ..layers import Module3D
 from ..options import RuntimeOptions
-from ..parallel import Plan, parallelize, set_options
+from ..parallel import Plan, parallelize
 from .checkpoints import FABRIC_STATE_KEY, PARAM_GROUPS_KEY, load_meta, load_sharded, save_sharded
 from .failures import same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
@@ -138,11 +138,14 @@ class Tensor3DFabricMixin(GridStrategy):
 
     Args:
         grid, data_parallel_size, zero_stage, process_group_backend, timeout, model_shape,
-        async_tp, machine, ddp_comm_hook, ddp_comm_state, **ddp_kwargs: as the Trainer's
+        machine, ddp_comm_hook, ddp_comm_state, **ddp_kwargs: as the Trainer's
             ``Tensor3DStrategy`` (``docs/lightning.md``).
         plan: the :class:`lightning_3d.Plan` that ``fabric.setup`` parallelizes the model with;
             default: the built-in plan of its class.
-        options: the :class:`lightning_3d.RuntimeOptions` the model runs with; default: the plan's.
+        options: the model's run-time choices (:class:`lightning_3d.RuntimeOptions`); at
+            ``fabric.setup`` they replace the options of every 3-D layer of the model. None keeps the
+            plan's (a model ``setup`` parallelizes) or those the model was built with. With
+            ``model_shape``, ``grid="auto"`` prices their ``async_tp`` and ``grads_at_end``.
         checkpoint_on_preemption: where :meth:`check_preemption` saves the loop's ``state`` when
             any rank got SIGTERM or SIGINT; None: stop without saving.
 
@@ -165,7 +168,6 @@ class Tensor3DFabricMixin(GridStrategy):
         process_group_backend: str | None = None,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
         model_shape: ModelShape | None = None,
-        async_tp: bool = False,
         machine: cost.Machine | None = None,
         checkpoint_on_preemption: str | os.PathLike | None = None,
         accelerator=None,
@@ -190,7 +192,7 @@ class Tensor3DFabricMixin(GridStrategy):
             data_parallel_size,
             zero_stage,
             model_shape,
-            async_tp,
+            options,
             machine,
             checkpoint_on_preemption,
             ddp_comm_hook,
@@ -201,11 +203,7 @@ class Tensor3DFabricMixin(GridStrategy):
             raise ValueError(
                 f"plan must be a lightning_3d.Plan or None (the built-in plan of the model's class), got {plan!r}"
             )
-        if options is not None and not isinstance(options, RuntimeOptions):
-            raise ValueError(
-                f"options must be a lightning_3d.RuntimeOptions or None (the plan's), got {options!r}"
-            )
-        self.plan, self.options = plan, options
+        self.plan = plan
         self._backward_sync_control = DataParallelSync()
         self._watch: PreemptionWatch | None = None
         self._steps = 0
@@ -269,7 +267,7 @@ class Tensor3DFabricMixin(GridStrategy):
 
     def put_on_grid(self, module: nn.Module) -> nn.Module:
         """``module`` on the grid, in place: parallelized by the plan, or, made of 3-D layers already, materialised
-        and moved to this rank's device; ``async_tp`` set on its options."""
+        and moved to this rank's device, with the strategy's ``options``."""
         if isinstance(module, DistributedDataParallel):
             raise TypeError(
                 "pass fabric.setup the model itself, not wrapped in DistributedDataParallel: the strategy "
@@ -278,11 +276,10 @@ class Tensor3DFabricMixin(GridStrategy):
         with same_on_every_rank():
             if any(isinstance(m, Module3D) for m in module.modules()):
                 materialize_(module, self.root_device)
+                self.apply_options(module)
             else:
                 parallelize(module, self.plan, grid=self.grid, options=self.options, device=self.root_device)
         module.to(self.root_device)
-        if self.async_tp:
-            set_options(module, async_tp=True)
         return module
 
     def setup_module(self, module: nn.Module) -> nn.Module:

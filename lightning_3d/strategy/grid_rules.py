@@ -9,6 +9,7 @@ from collections.abc import Callable
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import arguments, cost
+from ..options import RuntimeOptions
 
 HALF_PRECISION_HOOKS = (default_hooks.bf16_compress_hook, default_hooks.fp16_compress_hook)
 
@@ -44,10 +45,10 @@ def resolve(
     world: int,
     devices_per_node: int,
     model_shape: cost.ModelShape | None = None,
-    async_tp: bool = False,
+    *,
+    options: RuntimeOptions | None = None,
     machine: cost.Machine | None = None,
     half_grads: bool = False,
-    grads_at_end: bool = False,
 ) -> tuple[tuple[int, int, int], int]:
     """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
 
@@ -55,8 +56,8 @@ def resolve(
     that fits (:func:`lightning_3d.cost.best_grid`, nodes of ``devices_per_node`` GPUs, links
     between them priced as such), on ``machine``'s rates (:func:`lightning_3d.cost.measure_machine`;
     default :data:`~lightning_3d.cost.DEFAULT_MACHINE`; ``half_grads``: the gradient reduction over
-    dp runs in half precision, :func:`halves_gradients`; ``grads_at_end``: the weight gradients are
-    handed on at the end of backward, ``RuntimeOptions.grads_at_end``); without a shape it factors
+    dp runs in half precision, :func:`halves_gradients`), with ``options``' ``async_tp`` and
+    ``grads_at_end`` (default ``RuntimeOptions()``); without a shape it factors
     the devices of one node, so that each cube lies inside a node and dp spans the nodes (or
     ``world / dp`` when dp is given).
     ``data_parallel_size="auto"`` takes the rest.
@@ -66,14 +67,15 @@ def resolve(
     """
     if grid == "auto":
         if dp == "auto" and model_shape is not None:
+            options = options if options is not None else RuntimeOptions()
             machine = dataclasses.replace(machine or cost.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
             shape = cost.best_grid(
                 **dataclasses.asdict(model_shape),
                 world=world,
                 machine=machine,
-                async_tp=async_tp,
+                async_tp=options.async_tp,
                 half_grads=half_grads,
-                grads_at_end=grads_at_end,
+                grads_at_end=options.grads_at_end,
             )
             return shape, world // math.prod(shape)
         if dp == "auto":

@@ -8,6 +8,7 @@ have (``world_size``, ``num_processes``, ``root_device``, ``_timeout``). No Ligh
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import os
@@ -20,10 +21,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import arguments, cost
+from .. import cost
 from ..cost import ModelShape
 from ..grid import Grid, init_grid, set_grid
 from ..options import RuntimeOptions
+from ..parallel import set_options
 from . import grid_rules
 from .failures import ConfigurationError, same_on_every_rank
 from .replicas import GridData
@@ -49,6 +51,12 @@ def checked_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` if ``DistributedDataParallel`` takes every name and the strategy sets none of them; else
     ``ValueError``."""
     accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - _DDP_SET_BY_STRATEGY
+    runtime = sorted(set(kwargs) & {f.name for f in dataclasses.fields(RuntimeOptions)})
+    if runtime:
+        raise ValueError(
+            f"Tensor3DStrategy: {runtime} are the model's run-time options, not strategy arguments: pass "
+            f"options=lightning_3d.RuntimeOptions({', '.join(f'{name}=...' for name in runtime)})"
+        )
     wrong = sorted(set(kwargs) - accepted)
     if wrong:
         raise ValueError(
@@ -56,6 +64,18 @@ def checked_ddp_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             f"accepted: {sorted(accepted)} (device_ids and process_group are the strategy's)"
         )
     return dict(kwargs)
+
+
+def _changed(options: RuntimeOptions | None) -> str:
+    """``options`` as the fields that differ from the defaults, e.g. ``RuntimeOptions(async_tp=True)``."""
+    if options is None:
+        return "the model's"
+    changed = [
+        f"{f.name}={getattr(options, f.name)!r}"
+        for f in dataclasses.fields(options)
+        if getattr(options, f.name) != f.default
+    ]
+    return f"RuntimeOptions({', '.join(changed)})"
 
 
 class GridStrategy(GridData):
@@ -72,7 +92,7 @@ class GridStrategy(GridData):
         data_parallel_size: Literal["auto"] | int,
         zero_stage: int,
         model_shape: ModelShape | None,
-        async_tp: bool,
+        options: RuntimeOptions | None,
         machine: cost.Machine | None,
         checkpoint_on_preemption: str | os.PathLike | None,
         ddp_comm_hook: Callable | None,
@@ -85,7 +105,12 @@ class GridStrategy(GridData):
         self._dp_arg = grid_rules.check_dp_arg(data_parallel_size)
         self._model_shape = model_shape
         self._machine = machine
-        self.async_tp = arguments.flag(async_tp, "async_tp")
+        if options is not None and not isinstance(options, RuntimeOptions):
+            raise ValueError(
+                f"options must be a lightning_3d.RuntimeOptions or None (the model's own), got {options!r} "
+                f"(a {type(options).__name__}): e.g. options=RuntimeOptions(async_tp=True)"
+            )
+        self.options = options
         if isinstance(zero_stage, bool) or zero_stage not in (0, 1):
             raise ValueError(
                 f"zero_stage must be 0 or 1 (optimizer state sharded over dp), got {zero_stage!r}"
@@ -102,17 +127,16 @@ class GridStrategy(GridData):
     def _resolve_grid(self) -> tuple[tuple[int, int, int], int]:
         """``(px, py, pz)`` and dp for this world; :class:`ConfigurationError` naming the fix when they cannot be."""
         with same_on_every_rank():
-            # the model and its options are made after the grid: price the default options
+            # the model is made after the grid: price the options it will run with, else the defaults
             shape, dp = grid_rules.resolve(
                 self._grid_arg,
                 self._dp_arg,
                 self.world_size,
                 self.num_processes,
                 self._model_shape,
-                self.async_tp,
-                self._machine,
-                grid_rules.halves_gradients(self.ddp_comm_hook),
-                RuntimeOptions.grads_at_end,
+                options=self.options,
+                machine=self._machine,
+                half_grads=grid_rules.halves_gradients(self.ddp_comm_hook),
             )
         why = None if self._model_shape is None else cost.grid_error(self._model_shape, shape, dp)
         if why is not None:
@@ -132,10 +156,15 @@ class GridStrategy(GridData):
         px, py, pz = shape
         self.info(
             f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, "
-            f"async_tp={self.async_tp}"
-            f", across nodes: {'+'.join(self._grid.axes_across_nodes) or 'nothing'}"
+            f"options: {_changed(self.options)}, across nodes: {'+'.join(self._grid.axes_across_nodes) or 'nothing'}"
         )
         return self._grid
+
+    def apply_options(self, module: torch.nn.Module) -> None:
+        """Give every 3-D layer of ``module`` the strategy's ``options`` (none given: keep the model's)."""
+        if self.options is not None:
+            with same_on_every_rank():
+                set_options(module, **dataclasses.asdict(self.options))
 
     def seed_workers_by_dp(self, dataloader: object) -> object:
         """Seed dataloader workers by dp rank (``seed_everything(workers=True)``), so the cube ranks that share a batch

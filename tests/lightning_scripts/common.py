@@ -8,6 +8,7 @@ optimizer, schedule and clipping, so a correct strategy gives its losses and gra
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_3d.grad_norm import grad_norm
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
+from lightning_3d.parallel import options_of
 
 SEED = 7
 INIT_SEED = 1234
@@ -183,6 +185,7 @@ def fit(
         "coords": list(strategy.grid.coords),
         "strategy": f"{type(strategy).__module__}.{type(strategy).__name__}",
         "global_step": trainer.global_step,
+        "options": dataclasses.asdict(options_of(module.model)),  # every 3-D layer's (else options_of raises)
     }
     (out / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
     return trainer, module

@@ -9,7 +9,8 @@ serves several Trainers. Each run writes ``OUT/<run>.rank<r>.json``; test_strate
   D resumed from C's epoch-0 checkpoint;
   F 2×1×1 dp 2 (one dataloader worker a rank, model summary printed), then ``validate``;
   H the same in bf16-mixed, 1 epoch;
-  I the same in float32 with the dp gradients reduced in fp16 (``ddp_comm_hook``; bf16 needs NCCL), 1 epoch.
+  I the same in float32 with the dp gradients reduced in fp16 (``ddp_comm_hook``; bf16 needs NCCL) and the
+  strategy's ``options`` (re-gathered weights, no token-range check: the same numbers), 1 epoch.
 - ``world1`` (pytorch_lightning): LightningCLI parses the strategy by name and by class_path;
   E ``strategy="tensor3d"`` by name (auto 1×1×1) resumed from B's last checkpoint, 3 epochs.
 """
@@ -29,7 +30,7 @@ def world4(out: Path) -> None:
     import lightning.pytorch as pl
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    from lightning_3d import Tensor3DStrategy
+    from lightning_3d import RuntimeOptions, Tensor3DStrategy
 
     pl.seed_everything(common.SEED)
     common.fit("lightning.pytorch", out, "A", "tensor3d", epochs=2, devices=4)
@@ -86,6 +87,7 @@ def world4(out: Path) -> None:
             grid=(2, 1, 1),
             data_parallel_size=2,
             ddp_comm_hook=default_hooks.fp16_compress_hook,
+            options=RuntimeOptions(save_gathered=False, check_inputs=False),
             bucket_cap_mb=1,
         ),
         epochs=1,
