@@ -64,6 +64,13 @@ def flag(value: object, name: str) -> bool:
     return value
 
 
+def choice(value: object, name: str, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r} (a {_kind(value)})")
+    return value
+
+
 def timeout(value: object) -> datetime.timedelta:
     """A positive, finite collective timeout: a ``timedelta`` or a number of seconds."""
     fix = "pass e.g. timedelta(minutes=10) or 600 (seconds)"
