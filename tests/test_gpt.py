@@ -351,7 +351,7 @@ def errors_job(grid):
         "kv_heads": value_error(lambda: GPT3D(config("llama", n_kv_head=1), grid)),
         "width": value_error(lambda: GPT3D(GPTConfig(**{**BASE, "n_head": 2, "n_embd": 18}), grid)),
         "ffn": value_error(lambda: GPT3D(config("llama", ffn_hidden=18), grid)),
-        "batch": value_error(lambda: model(torch.zeros(2, S, dtype=torch.long))),
+        "batch": value_error(lambda: model(torch.zeros(2, 6, dtype=torch.long))),
         "seq": value_error(lambda: model(torch.zeros(B, 13, dtype=torch.long))),
         "ids": value_error(lambda: model(torch.zeros(B, S))),
     }
@@ -364,7 +364,12 @@ def test_checks_raise_value_errors_with_numbers_and_fix():
         "kv_heads": ["n_kv_head = 1", "py", "= 2", "multiple of 2"],
         "width": ["n_embd = 18", "px·py", "= 4", "multiple of 4"],
         "ffn": ["ffn_hidden = 18", "multiple of 4"],
-        "batch": ["batch 2", "px·py = 4", "px·pz = 4", "multiple of 4"],
+        "batch": [
+            "2 sequences of 6 tokens",
+            "lcm(2·px·pz, px·py) = ",
+            "pad each sequence to 8",
+            "multiple of 4",
+        ],
         "seq": ["13", "block_size 12", "crop"],
         "ids": ["integer token ids"],
     }

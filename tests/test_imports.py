@@ -44,7 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sharded state", ("lightning_3d.checkpoint", "lightning_3d.grad_norm")),
     ("runtime", ("lightning_3d.runtime",)),
     ("ops", ("lightning_3d.ops",)),
-    ("layers", ("lightning_3d.layers",)),
+    ("layers", ("lightning_3d.layers", "lightning_3d.token_rows")),
     ("parallel", ("lightning_3d.parallel",)),
     ("models", ("lightning_3d.models", "lightning_3d.hf", "lightning_3d.litgpt")),
     ("cost", ("lightning_3d.cost",)),

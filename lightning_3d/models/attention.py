@@ -1,7 +1,8 @@
 """The attention core both models share: RoPE and causal SDPA over whole local sequences.
 
-:class:`DenseGPT` calls it on all heads; :class:`GPT3D` on the heads of its y block (rows of every
-layout are whole sequences, so attention needs no communication).
+:class:`DenseGPT` calls it on all heads; :class:`GPT3D` on the heads of its y block. Where the rows
+are whole sequences attention needs no communication; token rows attend with
+:meth:`lightning_3d.token_rows.TokenRows.attend` instead, and rotate each row by its own positions.
 """
 
 from __future__ import annotations
@@ -24,13 +25,17 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate ``x`` ``[b, s, ..., head_dim]`` by position (dim 1), each head on its own.
+    """Rotate ``x`` ``[b, s, ..., head_dim]`` by position, each head on its own.
 
-    ``rope``: ``(cos, sin)``, each ``[≥ s, n]``. With ``n < head_dim`` (partial rotary, as in
-    GPT-NeoX) only the first ``n`` features of each head turn; the others pass unchanged.
+    ``rope``: ``(cos, sin)``, each ``[≥ s, n]`` (positions along dim 1, the same in every row) or
+    ``[b, s, n]`` (each row's own positions: token rows). With ``n < head_dim`` (partial rotary, as
+    in GPT-NeoX) only the first ``n`` features of each head turn; the others pass unchanged.
     """
     n = rope[0].shape[-1]
-    cos, sin = (t[: x.shape[1]].view(x.shape[1], *[1] * (x.dim() - 3), -1).to(x.dtype) for t in rope)
+    if rope[0].dim() == 2:
+        cos, sin = (t[: x.shape[1]].view(x.shape[1], *[1] * (x.dim() - 3), -1).to(x.dtype) for t in rope)
+    else:
+        cos, sin = (t.view(*t.shape[:2], *[1] * (x.dim() - 3), -1).to(x.dtype) for t in rope)
     if n == x.shape[-1]:
         return rotate(x, cos, sin)
     return torch.cat([rotate(x[..., :n], cos, sin), x[..., n:]], -1)

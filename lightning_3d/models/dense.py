@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..ops.packed_elementwise import packed_rope, packed_swiglu
+from ..token_rows import Attend, TokenRows, choose_rows
 from .attention import apply_rope, causal_attention, rope_tables
 from .config import GPTConfig
 from .init import init_dense_tensor_
@@ -82,9 +83,9 @@ class DenseAttention(nn.Module):
         self.c_proj = nn.Linear(h, h, bias=config.bias, **factory)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, attend: Attend = causal_attention) -> torch.Tensor:
         return self.resid_dropout(
-            self.c_proj(packed_attention(self.c_attn, x, self.queries_per_kv, self.head_dim, rope))
+            self.c_proj(packed_attention(self.c_attn, x, self.queries_per_kv, self.head_dim, rope, attend))
         )
 
 
@@ -94,23 +95,27 @@ def packed_attention(
     queries_per_kv: int,
     head_dim: int,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attend: Attend = causal_attention,
 ) -> torch.Tensor:
     """Causal self-attention of the heads that the packed projection ``qkv`` makes of ``x``.
 
     ``qkv(x)`` is ``[b, s, (r + 2)·n]`` as :class:`DenseAttention`'s ``c_attn`` lays it out: ``r =
     queries_per_kv`` query slots, then k, then v, each ``n = kv_heads·head_dim`` (the heads of this
-    rank, any number). ``rope``: ``(cos, sin)`` ``[≥ s, m]``, rotating the first ``m ≤ head_dim``
-    features of every q and k head (partial rotary where ``m < head_dim``), or None. Returns
-    ``[b, s, r·kv_heads·head_dim]``, query head ``t·r + g`` (slot ``g`` of key/value head ``t``) at
-    position ``t·r + g``: the order in which grouped-query attention pairs query heads with key/value heads.
+    rank, any number). ``rope``: ``(cos, sin)`` ``[≥ s, m]`` or per row ``[b, s, m]``
+    (:func:`apply_rope`), rotating the first ``m ≤ head_dim`` features of every q and k head
+    (partial rotary where ``m < head_dim``), or None. ``attend``: the attention of q ``[b, s, heads,
+    d]`` and k, v ``[b, s, kv_heads, d]`` (:func:`causal_attention`, or token rows' attention).
+    Returns ``[b, s, r·kv_heads·head_dim]``, query head ``t·r + g`` (slot ``g`` of key/value head
+    ``t``) at position ``t·r + g``: the order in which grouped-query attention pairs query heads with
+    key/value heads.
     """
     r, d = queries_per_kv, head_dim
-    if rope is None or rope[0].shape[-1] != d:
+    if rope is None or rope[0].shape[-1] != d or rope[0].dim() != 2:
         parts = output_groups(qkv, x, (r, 1, 1))  # [b, s, P, run, kv_heads·d/P]: r query slots; k; v
     else:  # one product, whose gradient RoPE's backward writes in one pass
         (packed,) = output_groups(qkv, x, (r + 2,))  # [b, s, P, r + 2, kv_heads·d/P]
         if packed.shape[-1] % d == 0:
-            return causal_attention(*packed_rope(packed.unflatten(-1, (-1, d)), rope, r))
+            return attend(*packed_rope(packed.unflatten(-1, (-1, d)), rope, r))
         parts = packed.split([r, 1, 1], -2)
     if parts[0].shape[-1] % d:  # a block cuts a head (P does not divide the key/value heads): join the blocks
         parts = [t.movedim(-3, -2).flatten(-2).unsqueeze(-3) for t in parts]
@@ -118,7 +123,7 @@ def packed_attention(
     if rope is not None:
         q, k = apply_rope(q, rope), apply_rope(k, rope)
     # key/value head t = (block, t'); query head (t, g) of slot g → order t·r + g, the order causal_attention pairs
-    return causal_attention(*(t.flatten(2, -2) for t in (q.transpose(-3, -2), k, v)))
+    return attend(*(t.flatten(2, -2) for t in (q.transpose(-3, -2), k, v)))
 
 
 class DenseMLP(nn.Module):
@@ -148,8 +153,8 @@ class DenseBlock(nn.Module):
         self.ln_2 = norm(config, **factory)
         self.mlp = DenseMLP(config, **factory)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), rope)
+    def forward(self, x: torch.Tensor, rope=None, attend: Attend = causal_attention) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, attend)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -186,19 +191,35 @@ class DenseGPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         b, s = idx.shape
         check_sequence(s, self.config)
+        rows = self.token_rows(b, s, idx.device)
+        if rows is not None:  # ids and targets [b·C, s/C], in token-row order
+            idx, targets = rows.arrange(idx), None if targets is None else rows.arrange(targets)
         x = self.transformer.wte(idx)
-        rope = None
+        rope, attend = None, causal_attention if rows is None else rows.attend
         if self.config.style == "gpt2":
-            x = x + self.transformer.wpe(torch.arange(s, device=idx.device))
+            x = x + self.transformer.wpe(
+                torch.arange(s, device=idx.device) if rows is None else rows.positions("z")
+            )
         else:
             rope = rope_tables(s, self.config.head_dim, self.config.rope_theta, x.device, x.dtype)
+            rope = rope if rows is None else rows.rope(rope)
         x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x, rope)
+            x = block(x, rope, attend)
         logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
             return logits
         return self.loss(logits.flatten(0, -2), targets.flatten())
+
+    def token_rows(self, batch: int, seq_len: int, device: torch.device) -> TokenRows | None:
+        """How the rows of a ``[batch, seq_len]`` input split: None for whole sequences (always, on one
+        device), else the :class:`~lightning_3d.token_rows.TokenRows` that the model's 3-D layers run on
+        (:func:`~lightning_3d.token_rows.choose_rows` with their ``RuntimeOptions.rows``)."""
+        embedding = self.transformer.wte
+        grid = getattr(embedding, "grid", None)  # a 3-D layer's, once the model is parallelized
+        if grid is None or choose_rows(batch, seq_len, grid, embedding.options.rows) == "sequences":
+            return None
+        return TokenRows(batch, seq_len, grid, device)
 
     def generate(
         self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None

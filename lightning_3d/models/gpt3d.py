@@ -38,9 +38,10 @@ from ..parallel import (
     register_plan,
 )
 from ..runtime import check_token_range
+from ..token_rows import sequence_multiple
 from .config import GPTConfig
 from .dense import DenseGPT
-from .grid_checks import batch_multiple, check_grid, check_tokens
+from .grid_checks import check_grid, check_tokens
 from .init import init_dense_tensor_
 from .sampling import generate_tokens
 
@@ -81,7 +82,7 @@ def gpt_plan(config: GPTConfig, options: RuntimeOptions | None = None) -> Plan:
         idx = args[0] if args else kwargs["idx"]
         targets = args[1] if len(args) > 1 else kwargs.get("targets")
         agree_on_first_call(model, grid.group("cube"), "GPT3D input", idx=idx, targets=targets)
-        check_tokens(idx, config, grid)
+        check_tokens(idx, config, grid, model.loss.options.rows)
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(
                 f"GPT3D: targets {list(targets.shape)} must have the shape of idx {list(idx.shape)}"
@@ -167,7 +168,7 @@ class GPT3D(DenseGPT):
         """
         grid = self.grid
         b = idx.shape[0]
-        pad = -b % batch_multiple(grid)
+        pad = -b % sequence_multiple(grid)
 
         def next_logits(ids: torch.Tensor) -> torch.Tensor:
             ids = torch.cat([ids, ids[-1:].expand(pad, -1)]) if pad else ids

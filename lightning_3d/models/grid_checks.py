@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..grid import Grid
+from ..token_rows import choose_rows
 from .config import GPTConfig
 from .dense import check_sequence
 
@@ -44,23 +43,17 @@ def check_grid(config: GPTConfig, grid: Grid) -> None:
     _require(config.ffn_hidden, px * py, "ffn_hidden", "px·py (rows of the MLP's c_fc)", grid)
 
 
-def batch_multiple(grid: Grid) -> int:
-    """The batch size must be a multiple of this: ``lcm(px·py, px·pz)`` (z- and y-layout rows)."""
-    px, py, pz = grid.shape
-    return math.lcm(px * py, px * pz)
-
-
-def check_tokens(idx: torch.Tensor, config: GPTConfig, grid: Grid, what: str = "idx") -> None:
-    """``idx`` is ``[batch, seq]`` integer ids with a batch that splits on ``grid`` and ``seq <= block_size``."""
+def check_tokens(
+    idx: torch.Tensor, config: GPTConfig, grid: Grid, rows: str = "auto", what: str = "idx"
+) -> None:
+    """``idx`` is ``[batch, seq]`` integer ids with ``seq <= block_size`` whose rows split on ``grid``, as
+    whole sequences or as token rows (:func:`~lightning_3d.token_rows.choose_rows` with ``rows``)."""
     if idx.dim() != 2 or idx.is_floating_point() or idx.is_complex():
         raise ValueError(
             f"GPT3D: {what} must be integer token ids [batch, seq], got {idx.dtype} of shape {list(idx.shape)}"
         )
     check_sequence(idx.shape[1], config)
-    px, py, pz = grid.shape
-    b, m = idx.shape[0], batch_multiple(grid)
-    if b % m:
-        raise ValueError(
-            f"GPT3D on grid {px}×{py}×{pz}: batch {b} must be divisible by px·py = {px * py} and px·pz = {px * pz}; "
-            f"use a batch that is a multiple of {m} (e.g. {m * math.ceil(b / m)})"
-        )
+    try:
+        choose_rows(idx.shape[0], idx.shape[1], grid, rows)
+    except ValueError as e:
+        raise ValueError(f"GPT3D: {e}") from None

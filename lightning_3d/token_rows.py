@@ -1,0 +1,144 @@
+"""Token rows: activation rows that hold chunks of sequences, so that any batch runs on a grid.
+
+A layout cuts the rows (dim 0) of an activation over its row group: the ``px·py`` ranks of
+``(x, y)`` in the z-layout, the ``px·pz`` of ``(x, z)`` in the y-layout (:mod:`lightning_3d.layout`).
+With whole sequences as rows, a batch must be a multiple of ``lcm(px·py, px·pz)``
+(:func:`sequence_multiple`). Token rows cut each of the ``b`` sequences of ``s`` tokens into
+``C`` = :func:`chunks_per_sequence` chunks and make the ``b·C`` chunks the rows: ``[b, s, ...]`` →
+``[b·C, s/C, ...]``. Their order gives y-layout rank ``r`` of ``R = px·pz`` (row block ``r``, the
+rank's place in the ``"xz"`` group) the zig-zag chunks ``r`` and ``2R-1-r`` of ``2R`` of every
+sequence (:mod:`~lightning_3d.ops.sequence_split`: equal causal work on every rank), each as
+``C / (2R)`` consecutive rows. ``C = lcm(2R, px·py)`` makes the rows split in both layouts for any
+``b``, batch 1 included; ``s`` must be a multiple of ``C``.
+
+Everything but attention works token by token, so only attention and positions know: attention
+in the y-layout gathers the keys and values of the rank's sequences over the ``"xz"`` group
+(:func:`~lightning_3d.ops.split_attention.split_causal_attention`), and :meth:`TokenRows.positions`
+gives each local token its true position (RoPE, learned positions). Losses are means over tokens,
+so the order of the rows does not change them; targets are arranged like the ids.
+
+:func:`choose_rows` is the one rule that picks whole sequences or token rows (whole sequences
+where the batch allows them: they need no communication in attention), unless
+``RuntimeOptions.rows`` forces one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .arguments import choice
+from .grid import Grid
+from .ops.sequence_split import chunks_of
+from .ops.split_attention import split_causal_attention
+from .options import ROWS_CHOICES
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sequence_multiple(grid: Grid) -> int:
+    """Whole-sequence rows need a batch that is a multiple of this: ``lcm(px·py, px·pz)``."""
+    px, py, pz = grid.shape
+    return math.lcm(px * py, px * pz)
+
+
+def chunks_per_sequence(grid: Grid) -> int:
+    """Token rows cut each sequence into this many rows: ``lcm(2·px·pz, px·py)``."""
+    px, py, pz = grid.shape
+    return math.lcm(2 * px * pz, px * py)
+
+
+def choose_rows(batch: int, seq_len: int, grid: Grid, rows: str = "auto") -> str:
+    """``"sequences"`` or ``"tokens"``: how the rows of a ``[batch, seq_len]`` input split on ``grid``.
+
+    ``"auto"`` takes whole sequences where ``batch`` is a multiple of :func:`sequence_multiple`,
+    else token rows; ``rows`` forces either. ``ValueError`` naming the multiples and the fixes when
+    the chosen form does not split.
+    """
+    choice(rows, "rows", ROWS_CHOICES)
+    shape = "×".join(map(str, grid.shape))
+    whole, chunks = sequence_multiple(grid), chunks_per_sequence(grid)
+    if rows == "sequences" or (rows == "auto" and batch % whole == 0):
+        if batch % whole:
+            raise ValueError(
+                f"on grid {shape}, whole-sequence rows need a batch that is a multiple of lcm(px·py, px·pz) = "
+                f"{whole}, got {batch}; use a batch of {whole * math.ceil(batch / whole)}, or "
+                "RuntimeOptions(rows='auto') for token rows"
+            )
+        return "sequences"
+    if seq_len % chunks:
+        raise ValueError(
+            f"on grid {shape}, a batch of {batch} sequences of {seq_len} tokens does not split: token rows need a "
+            f"sequence length that is a multiple of lcm(2·px·pz, px·py) = {chunks} (pad each sequence to "
+            f"{chunks * math.ceil(seq_len / chunks)} tokens, with ignored targets after its end), and whole-sequence "
+            f"rows a batch that is a multiple of {whole}"
+        )
+    return "tokens"
+
+
+class TokenRows:
+    """The token rows of a ``[batch, seq_len]`` input on ``grid`` (see the module's docstring).
+
+    ``C`` = :func:`chunks_per_sequence` rows of ``seq_len / C`` tokens per sequence; the ``b·C``
+    rows in zig-zag order over the y-layout's ``R = px·pz`` row blocks.
+    """
+
+    def __init__(self, batch: int, seq_len: int, grid: Grid, device: torch.device | str | None = None):
+        px, py, pz = grid.shape
+        ranks, chunks = px * pz, chunks_per_sequence(grid)
+        if seq_len % chunks:
+            raise ValueError(
+                f"token rows need seq_len a multiple of {chunks} on grid {grid.shape}, got {seq_len}"
+            )
+        self.grid, self.batch, self.seq_len, self.chunks = grid, batch, seq_len, chunks
+        self.length = seq_len // chunks  # tokens a row
+        per_half = chunks // (2 * ranks)  # rows a zig-zag chunk
+        order = [
+            seq * chunks + half * per_half + sub
+            for r in range(ranks)
+            for seq in range(batch)
+            for half in chunks_of(r, ranks)
+            for sub in range(per_half)
+        ]
+        self.order = torch.tensor(
+            order, device=device
+        )  # row k of the arranged input is row order[k] of [b·C, s/C]
+        self._positions = self.arrange(torch.arange(seq_len, device=device).expand(batch, seq_len))
+
+    def arrange(self, t: torch.Tensor) -> torch.Tensor:
+        """``[b, s, ...]`` → the rows ``[b·C, s/C, ...]`` in token-row order (ids, targets, masks)."""
+        rows = t.reshape(self.batch * self.chunks, self.length, *t.shape[2:])
+        return rows.index_select(0, self.order.to(t.device))
+
+    def restore(self, rows: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`arrange`: full rows ``[b·C, s/C, ...]`` → ``[b, s, ...]``."""
+        out = torch.empty_like(rows).index_copy_(0, self.order.to(rows.device), rows)
+        return out.reshape(self.batch, self.seq_len, *rows.shape[2:])
+
+    def positions(self, layout: str) -> torch.Tensor:
+        """The true positions ``[rows, s/C]`` (int64) of this rank's rows in ``layout`` (``"z"`` or ``"y"``)."""
+        axes = "xy" if layout == "z" else "xz"
+        parts = self.grid.size(axes)
+        block = 0
+        for a in axes:
+            block = block * self.grid.size(a) + self.grid.coord(a)
+        return self._positions.chunk(parts)[block]
+
+    def rope(self, tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables ``[≥ s, n]`` → each y-layout row's own ``[rows, s/C, n]`` (attention's layout)."""
+        positions = self.positions("y").to(tables[0].device)
+        return tuple(t[positions] for t in tables)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's y-layout rows: ``q`` ``[rows, s/C, heads, d]``, ``k, v``
+        ``[rows, s/C, kv_heads, d]`` → ``[rows, s/C, heads·d]``, keys and values of each whole sequence
+        gathered over the ``"xz"`` group."""
+        rows, length = q.shape[:2]
+
+        def per_sequence(t):  # [b·2m, L', ...] → [b, 2m·L', ...]: chunks r and 2R-1-r of each sequence
+            return t.reshape(self.batch, (rows // self.batch) * length, *t.shape[2:])
+
+        out = split_causal_attention(per_sequence(q), per_sequence(k), per_sequence(v), self.grid.group("xz"))
+        return out.reshape(rows, length, -1)
