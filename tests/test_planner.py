@@ -28,7 +28,25 @@ def test_regathering_trades_memory_for_communication():
 def test_grid_error_names_the_broken_rule():
     assert cost.grid_error(A, (2, 2, 1), 1) is None
     assert cost.grid_error(cost.ModelShape(4096, 6, 2048, 8, 4), (1, 4, 1), 1) == "heads % py"
-    assert cost.grid_error(cost.ModelShape(4096, 32, 2048, 2, 4), (2, 2, 1), 1) == "batch/dp % px·py"
+    # a batch of 2 on 2×2×1 runs on token rows: the sequence must cut into lcm(2·px·pz, px·py) = 4 chunks
+    assert cost.grid_error(cost.ModelShape(4096, 32, 2048, 2, 4), (2, 2, 1), 1) is None
+    assert cost.grid_error(cost.ModelShape(4096, 32, 2046, 2, 4), (2, 2, 1), 1) == (
+        "seq % lcm(2·px·pz, px·py) (token rows)"
+    )
+    assert cost.grid_error(cost.ModelShape(4096, 32, 2048, 3, 4), (2, 1, 1), 2) == "batch 3 % dp 2"
+
+
+def test_token_rows_are_priced_with_their_key_value_gathers():
+    """On token rows (batch 1 and 2 on 2×2×2) each layer all-gathers K and V over x·z (4 ranks) and
+    reduce-scatters their gradients; sequence rows (batch 4) move none of these bytes. The products'
+    activation bytes scale with the tokens and their weights' do not, which separates the three."""
+    one = cost.ModelShape(4096, 32, 4096, 1, 8, 11008, kv_heads=8, gated=True, vocab=32000)
+    s1, s2, s4 = (cost.sent_bytes(replace(one, batch=b), (2, 2, 2))["all_gather"] for b in (1, 2, 4))
+    weights = 2 * s1 - s2
+    activations = (s4 - weights) / 4  # per sequence
+    kv = 2 * 4096 * (8 * 128 // 2) * 2  # K and V of every token, the y block's key/value heads, bf16
+    assert s2 - s1 - activations == pytest.approx(8 * kv * 3 / 4)
+    assert cost.token_rows(one, (2, 2, 2), 1) and not cost.token_rows(replace(one, batch=4), (2, 2, 2), 1)
 
 
 def test_best_grid_is_the_fastest_feasible_candidate():
@@ -42,8 +60,9 @@ def test_best_grid_is_the_fastest_feasible_candidate():
 
 
 def test_best_grid_errors():
-    with pytest.raises(ValueError, match="divides"):
-        cost.best_grid(4096, 32, 2048, 3, 4, world=4)
+    cost.best_grid(4096, 32, 2048, 3, 4, world=4)  # batch 3 on 4 ranks: a cube of 4 on token rows
+    with pytest.raises(ValueError, match="sequence length divisible by 2·px·pz"):
+        cost.best_grid(4096, 32, 2047, 3, 4, world=4)
     tiny = replace(cost.DEFAULT_MACHINE, memory_GiB=0.5)
     with pytest.raises(ValueError, match="fits 0 GiB|fits 1 GiB|needs"):
         cost.best_grid(4096, 32, 2048, 8, 4, world=4, machine=tiny)
@@ -115,32 +134,30 @@ def test_collective_matmuls_hide_the_activation_collectives():
 
 
 @pytest.mark.parametrize(
-    "nodes, hidden, heads, layers, batch, auto, across, with_async_tp",
+    "nodes, hidden, heads, layers, batch, auto, across, with_async_tp, sequences",
     [
-        (2, 2048, 16, 24, 16, ((8, 1, 1), 2), ("dp",), ((8, 1, 1), 2)),
-        (2, 4096, 32, 32, 8, ((2, 4, 2), 1), ("x",), ((1, 4, 2), 2)),
-        (2, 8192, 64, 48, 4, ((1, 4, 4), 1), ("y",), None),
-        (16, 2048, 16, 24, 128, ((8, 1, 1), 16), ("dp",), ((8, 1, 1), 16)),
-        (16, 4096, 32, 32, 64, ((4, 4, 2), 4), ("dp", "x"), ((1, 4, 2), 16)),
-        (16, 8192, 64, 48, 32, ((4, 4, 4), 2), ("dp", "x", "y"), None),
+        (2, 2048, 16, 24, 16, ((8, 1, 1), 2), ("dp",), ((8, 1, 1), 2), ((8, 1, 1), 2)),
+        (2, 4096, 32, 32, 8, ((1, 8, 1), 2), ("dp",), ((1, 8, 1), 2), ((2, 4, 2), 1)),
+        (2, 8192, 64, 48, 4, ((2, 8, 1), 1), ("x",), ((1, 8, 1), 2), ((1, 4, 4), 1)),
+        (16, 2048, 16, 24, 128, ((8, 1, 1), 16), ("dp",), ((8, 1, 1), 16), ((8, 1, 1), 16)),
+        (16, 4096, 32, 32, 64, ((1, 8, 1), 16), ("dp",), ((1, 8, 1), 16), ((4, 4, 2), 4)),
+        (16, 8192, 64, 48, 32, ((2, 8, 1), 8), ("dp", "x"), ((1, 8, 1), 16), ((4, 4, 4), 2)),
     ],
 )
 def test_auto_grids_on_nodes_of_8_as_docs_cluster_states(
-    nodes, hidden, heads, layers, batch, auto, across, with_async_tp
+    nodes, hidden, heads, layers, batch, auto, across, with_async_tp, sequences
 ):
     from lightning_3d.strategy import grid_rules
 
     shape, world = cost.ModelShape(hidden, heads, 2048, batch, layers), 8 * nodes
-    assert grid_rules.resolve("auto", "auto", world, 8, shape) == auto
+
+    def resolve(**options):
+        return grid_rules.resolve("auto", "auto", world, 8, shape, options=RuntimeOptions(**options))
+
+    assert resolve() == auto
     assert cost.node_axes(*auto, replace(cost.DEFAULT_MACHINE, gpus_per_node=8)) == across
-    if with_async_tp is None:
-        with pytest.raises(ValueError, match="no px·py·pz grid"):
-            grid_rules.resolve("auto", "auto", world, 8, shape, options=RuntimeOptions(async_tp=True))
-    else:
-        assert (
-            grid_rules.resolve("auto", "auto", world, 8, shape, options=RuntimeOptions(async_tp=True))
-            == with_async_tp
-        )
+    assert resolve(async_tp=True) == with_async_tp
+    assert resolve(rows="sequences") == sequences
 
 
 # ------------------------------------------------------------------ the whole training job

@@ -15,6 +15,7 @@ from .formulas import (
     predict_3d,
     predict_job,
     sent_bytes,
+    token_rows,
 )
 from .machine import CPU, DEFAULT_MACHINE, GPU, OPS, Link, Machine, Sizes, measure_machine
 from .search import best_grid, candidates, cube_grids, fits
@@ -41,4 +42,5 @@ __all__ = [
     "predict_3d",
     "predict_job",
     "sent_bytes",
+    "token_rows",
 ]

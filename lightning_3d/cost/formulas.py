@@ -17,6 +17,9 @@ then charges only the communication the implementation cannot hide:
   product (barriers, skew); dC's gather fuses into dA's product, or dA's scatter into its own.
 - Data parallelism: one all-reduce of the gradients after backward (the whole job: DDP's fp32
   buckets beside backward, charged where backward does not cover them).
+- Token rows (a replica's batch not a multiple of ``lcm(px·py, px·pz)``, :mod:`lightning_3d.token_rows`):
+  each layer's attention all-gathers its keys and values over the x·z plane in forward and
+  reduce-scatters their gradients in backward, both exposed, and keeps the gathered ones for backward.
 - ``grads_at_end`` (whole job): a fitted share of the weight gradients' reduce-scatters comes off
   the step (:attr:`Machine.late_scatter_fraction`).
 
@@ -137,8 +140,8 @@ class Prediction:
 # ------------------------------------------------------------------ feasibility
 
 
-def grid_error(shape: ModelShape, grid: tuple[int, int, int], dp: int) -> str | None:
-    """Why ``shape`` cannot run on ``grid`` with ``dp`` replicas, or None."""
+def grid_error(shape: ModelShape, grid: tuple[int, int, int], dp: int, rows: str = "auto") -> str | None:
+    """Why ``shape`` cannot run on ``grid`` with ``dp`` replicas and ``rows`` (``RuntimeOptions.rows``), or None."""
     px, py, pz = grid
     h, f = shape.hidden, shape.ffn_hidden
     if shape.batch % dp:
@@ -155,13 +158,30 @@ def grid_error(shape: ModelShape, grid: tuple[int, int, int], dp: int) -> str | 
         (h, px * pz, "hidden % px·pz"),
         (f, px * py, "ffn % px·py"),
         (f, py, "ffn % py"),
-        (b, px * py, "batch/dp % px·py"),
-        (b, px * pz, "batch/dp % px·pz"),
     ]
+    if rows == "sequences":
+        checks += [(b, px * py, "batch/dp % px·py"), (b, px * pz, "batch/dp % px·pz")]
+    elif token_rows(shape, grid, dp, rows):  # chunks of sequences (lightning_3d.token_rows)
+        checks.append((shape.seq, math.lcm(2 * px * pz, px * py), "seq % lcm(2·px·pz, px·py) (token rows)"))
     for value, parts, what in checks:
         if value % parts:
             return what
     return None
+
+
+def token_rows(shape: ModelShape, grid: tuple[int, int, int], dp: int, rows: str = "auto") -> bool:
+    """Whether ``grid``'s rows hold chunks of sequences, as :func:`lightning_3d.token_rows.choose_rows`
+    decides with ``rows`` (``"auto"``: where a replica's batch is not a multiple of ``lcm(px·py, px·pz)``)."""
+    px, py, pz = grid
+    return rows == "tokens" or (rows == "auto" and (shape.batch // dp) % math.lcm(px * py, px * pz) != 0)
+
+
+def _kv_gathered(shape: ModelShape, grid: tuple[int, int, int], dp: int, rows: str) -> float:
+    """Elements of the keys and values a rank gathers over the x·z plane per layer on token rows
+    (its y block's key/value heads of every token of the replica), else 0."""
+    if not token_rows(shape, grid, dp, rows):
+        return 0.0
+    return 2 * shape.batch * shape.seq / dp * shape.kv_width / grid[1]
 
 
 def node_axes(grid: tuple[int, int, int], dp: int, machine: Machine = None) -> tuple[str, ...]:
@@ -191,11 +211,13 @@ class _Collectives:
         self.across = node_axes(grid, dp, machine)
 
     def seconds(self, op: str, axis: str, full_elements: float, element_bytes: int = BYTES) -> float:
-        """``op`` over ``axis`` whose gathered (or pre-scatter) tensor has ``full_elements``."""
-        g = self.sizes[axis]
+        """``op`` over ``axis`` (or a plane of cube axes, ``"xz"``) whose gathered (or pre-scatter) tensor
+        has ``full_elements``."""
+        axes = [axis] if axis in self.sizes else list(axis)
+        g = math.prod(self.sizes[a] for a in axes)
         if g == 1:
             return 0.0
-        return self.machine.link(op, g, axis in self.across).seconds(
+        return self.machine.link(op, g, any(a in self.across for a in axes)).seconds(
             _moved(op, g, full_elements * element_bytes)
         )
 
@@ -297,9 +319,11 @@ def predict_3d(
     machine: Machine = None,
     save_gathered: bool = True,
     async_tp: bool = False,
+    rows: str = "auto",
 ) -> Prediction:
     """Predicted step of ``shape``'s block stack on ``grid`` with ``dp`` replicas (weight prefetch on);
-    with ``async_tp``, the activation gathers and scatters next to a product run as collective matmuls."""
+    with ``async_tp``, the activation gathers and scatters next to a product run as collective matmuls;
+    ``rows`` as ``RuntimeOptions.rows`` (token rows add attention's key/value gathers)."""
     m = machine or DEFAULT_MACHINE
     px, py, pz = grid
     cube = px * py * pz
@@ -323,6 +347,12 @@ def predict_3d(
         "all_gather", "x", products[0][3] / py * h / pz
     )  # first weight of the step
     bwd_exposed *= L
+    # token rows: attention gathers K and V over x·z in forward and reduce-scatters dK, dV in backward
+    kv = _kv_gathered(shape, grid, dp, rows)
+    kv_gather, kv_scatter = c.seconds("all_gather", "xz", kv), c.seconds("reduce_scatter", "xz", kv)
+    fwd_exposed += L * kv_gather
+    bwd_exposed += L * kv_scatter
+    comm += kv_gather + kv_scatter
     # latency-bound all-reduces: the biases' gradients (replicated over x and the feature axis),
     # the norms' (over x and y), and with pz > 1 the norms' statistics (4 in forward, 2 in backward)
     latency = m.link("all_reduce", cube, any(a in across for a in "xyz")).latency_us * 1e-6
@@ -366,6 +396,7 @@ def predict_3d(
         )
     )  # proj and fc2 inputs (gathered over z)
     transient = tokens * h / cube * 5  # the input block and the loss's fp32 copies
+    act += L * kv  # token rows: the gathered keys and values, kept for backward
     memory = _peak(weights / cube, saved_w + act + transient, L)
     return Prediction(
         grid,
@@ -415,6 +446,7 @@ def predict_job(
     save_gathered: bool = True,
     half_grads: bool = False,
     grads_at_end: bool = False,
+    rows: str = "auto",
 ) -> Prediction:
     """Predicted whole training step of ``shape`` (``vocab`` required) on ``grid`` with ``dp`` replicas,
     as ``Tensor3DStrategy`` trains it under bf16 mixed precision with fp32 master weights.
@@ -464,6 +496,7 @@ def predict_job(
         ),
         save_gathered,
         async_tp,
+        rows,
     )
     c = _Collectives(grid, dp, m)
     rate, hbm = m.matmul_tflops * 1e12 * efficiency, m.hbm_GBps * 1e9
@@ -564,6 +597,7 @@ def sent_bytes(
     save_gathered: bool = True,
     element_bytes: int = BYTES,
     grad_bytes: int = FP32,
+    rows: str = "auto",
 ) -> dict[str, float]:
     """Bytes each rank sends in one training step of ``shape`` (``vocab`` required) on ``grid`` with
     ``dp`` replicas, by collective (``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``), as
@@ -593,6 +627,10 @@ def sent_bytes(
     for (r, fa, n, k), times in products:
         for op, axis, elements in _product_collectives(sizes, tokens, r, fa, n, k, save_gathered).values():
             add(op, axis, elements, element_bytes, times)
+    kv, plane = _kv_gathered(shape, grid, dp, rows), px * pz  # token rows: K and V over x·z, and dK, dV back
+    if plane > 1:
+        out["all_gather"] += shape.layers * _moved("all_gather", plane, kv * element_bytes)
+        out["reduce_scatter"] += shape.layers * _moved("reduce_scatter", plane, kv * element_bytes)
     emb_w, emb_out = V / py * h / pz, tokens / px * h / pz
     add("all_gather", "x", emb_w, FP32)  # forward: the weight over x, the output scattered over y
     add("reduce_scatter", "y", emb_out, FP32)

@@ -27,22 +27,24 @@ def candidates(
     compiled: bool = False,
     half_grads: bool = False,
     grads_at_end: bool = False,
+    rows: str = "auto",
 ) -> list[Prediction]:
     """Every feasible 3-D grid (any cube size dividing ``world``, dp filling the rest; with
     ``async_tp`` as collective matmuls, on cubes inside one node only), sorted by predicted step
     time. With ``shape.vocab`` the grids are priced as whole training steps
     (:func:`~lightning_3d.cost.formulas.predict_job`, blocks ``compiled`` or not, the gradient reduction over
     dp in bf16 with ``half_grads``, the weight gradients handed on at the end of backward with
-    ``grads_at_end``), else as block stacks (:func:`~lightning_3d.cost.formulas.predict_3d`)."""
+    ``grads_at_end``, the rows as ``rows``: ``RuntimeOptions.rows``), else as block stacks
+    (:func:`~lightning_3d.cost.formulas.predict_3d`)."""
     m = machine or DEFAULT_MACHINE
     out = []
     for cube in (c for c in range(1, world + 1) if world % c == 0):
         if async_tp and m.gpus_per_node % cube and world > m.gpus_per_node:
             continue  # collective matmuls need every cube inside one node (its NVLink domain)
         for grid in cube_grids(cube):
-            if grid_error(shape, grid, world // cube) is None:
+            if grid_error(shape, grid, world // cube, rows) is None:
                 if shape.vocab is None:
-                    out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp))
+                    out.append(predict_3d(shape, grid, world // cube, m, async_tp=async_tp, rows=rows))
                 else:
                     out.append(
                         predict_job(
@@ -54,6 +56,7 @@ def candidates(
                             compiled=compiled,
                             half_grads=half_grads,
                             grads_at_end=grads_at_end,
+                            rows=rows,
                         )
                     )
     return sorted(out, key=lambda p: p.step_ms)
@@ -79,6 +82,7 @@ def best_grid(
     compiled: bool = False,
     half_grads: bool = False,
     grads_at_end: bool = False,
+    rows: str = "auto",
 ) -> tuple[int, int, int]:
     """The ``(px, py, pz)`` with the lowest predicted step time that fits in memory (dp = world /
     px·py·pz); the model is the global-batch GPT stack of ``hidden``, ``heads``, ``seq``, ``batch``
@@ -86,7 +90,9 @@ def best_grid(
     ``vocab``, the whole training step of :func:`~lightning_3d.cost.formulas.predict_job`, its blocks
     ``compiled`` or not, its gradient reduction over dp in bf16 with ``half_grads``, its weight gradients
     handed on at the end of backward with ``grads_at_end``), its products collective matmuls with
-    ``async_tp``. This is what ``grid="auto"`` uses when the model's shape is known.
+    ``async_tp``, its rows as ``rows`` (``RuntimeOptions.rows``: ``"auto"`` lets a batch that whole
+    sequences cannot split run on token rows, ``"sequences"`` keeps only the grids they split on). This
+    is what ``grid="auto"`` uses when the model's shape is known.
 
     Raises:
         ValueError: no grid divides the shape, or none fits in memory.
@@ -101,11 +107,13 @@ def best_grid(
         compiled=compiled,
         half_grads=half_grads,
         grads_at_end=grads_at_end,
+        rows=rows,
     )
     if not options:
         raise ValueError(
-            f"no px·py·pz grid with dp filling {world} ranks divides hidden={hidden}, heads={heads}, batch={batch}; "
-            f"use a batch that is a multiple of {world} and heads/hidden divisible by the grid"
+            f"no px·py·pz grid with dp filling {world} ranks splits hidden={hidden}, heads={heads}, batch={batch}, "
+            f"seq={seq}; use heads and hidden divisible by the grid, and a batch divisible by dp with whole "
+            f"sequences per rank or a sequence length divisible by 2·px·pz (token rows)"
         )
     fitting = [p for p in options if fits(p, m)]
     if not fitting:

@@ -55,7 +55,9 @@ def _check_batch(input_ids: torch.Tensor, grid: Grid) -> None:
     if input_ids.dim() != 2 or input_ids.shape[0] % multiple:
         raise ValueError(
             f"input_ids {list(input_ids.shape)}: the parallelized model takes the full batch [b, s] on every "
-            f"cube rank, with b a multiple of lcm(px·py, px·pz) = {multiple} on grid {grid.shape}"
+            f"cube rank, with b a multiple of lcm(px·py, px·pz) = {multiple} on grid {grid.shape} (Hugging Face "
+            f"models run on whole-sequence rows only; with grid='auto' pass options=RuntimeOptions(rows='sequences') "
+            f"so that the cost model picks a grid they split on)"
         )
 
 

@@ -76,6 +76,7 @@ def resolve(
                 async_tp=options.async_tp,
                 half_grads=half_grads,
                 grads_at_end=options.grads_at_end,
+                rows=options.rows,
             )
             return shape, world // math.prod(shape)
         if dp == "auto":
