@@ -192,23 +192,41 @@ class DenseGPT(nn.Module):
         b, s = idx.shape
         check_sequence(s, self.config)
         rows = self.token_rows(b, s, idx.device)
-        if rows is not None:  # ids and targets [b·C, s/C], in token-row order
-            idx, targets = rows.arrange(idx), None if targets is None else rows.arrange(targets)
-        x = self.transformer.wte(idx)
-        rope, attend = None, causal_attention if rows is None else rows.attend
+        logits = self.head(self.blocks(self.embed(idx, rows), rows))
+        return logits if targets is None else self.loss_of(logits, targets, rows)
+
+    def embed(self, idx: torch.Tensor, rows: TokenRows | None = None) -> torch.Tensor:
+        """Ids ``[b, s]`` → the blocks' input: token (and learned position) embeddings and dropout; on
+        token ``rows`` (:meth:`token_rows`), rows ``[b·C, s/C]`` in their order."""
+        s = idx.shape[1]
+        x = self.transformer.wte(idx if rows is None else rows.arrange(idx))
         if self.config.style == "gpt2":
             x = x + self.transformer.wpe(
                 torch.arange(s, device=idx.device) if rows is None else rows.positions("z")
             )
-        else:
+        return self.transformer.drop(x)
+
+    def blocks(self, x: torch.Tensor, rows: TokenRows | None = None) -> torch.Tensor:
+        """The Transformer blocks the model holds (a pipeline stage holds some) on :meth:`embed`'s output
+        ``x``, whose rows are whole sequences, or the token ``rows``."""
+        s = x.shape[1] if rows is None else rows.seq_len
+        rope, attend = None, causal_attention if rows is None else rows.attend
+        if self.config.style != "gpt2":
             rope = rope_tables(s, self.config.head_dim, self.config.rope_theta, x.device, x.dtype)
             rope = rope if rows is None else rows.rope(rope)
-        x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x, rope, attend)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if targets is None:
-            return logits
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks' output → logits: the final norm and the LM head."""
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def loss_of(
+        self, logits: torch.Tensor, targets: torch.Tensor, rows: TokenRows | None = None
+    ) -> torch.Tensor:
+        """The mean loss of :meth:`head`'s logits against targets ``[b, s]`` (put in the order of token ``rows``)."""
+        targets = targets if rows is None else rows.arrange(targets)
         return self.loss(logits.flatten(0, -2), targets.flatten())
 
     def token_rows(self, batch: int, seq_len: int, device: torch.device) -> TokenRows | None:
@@ -219,7 +237,16 @@ class DenseGPT(nn.Module):
         grid = getattr(embedding, "grid", None)  # a 3-D layer's, once the model is parallelized
         if grid is None or choose_rows(batch, seq_len, grid, embedding.options.rows) == "sequences":
             return None
-        return TokenRows(batch, seq_len, grid, device)
+        key = (
+            batch,
+            seq_len,
+            str(device),
+            id(grid),
+        )  # one object per input shape: compiled blocks take it as it is
+        made = self.__dict__.setdefault("_token_rows", {})
+        if key not in made:
+            made[key] = TokenRows(batch, seq_len, grid, device)
+        return made[key]
 
     def generate(
         self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
