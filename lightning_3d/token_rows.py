@@ -131,6 +131,7 @@ class TokenRows:
         positions = self.positions("y").to(tables[0].device)
         return tuple(t[positions] for t in tables)
 
+    @torch.compiler.disable  # collectives and the fused kernels' own autograd: run as they run eagerly
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's y-layout rows: ``q`` ``[rows, s/C, heads, d]``, ``k, v``
         ``[rows, s/C, kv_heads, d]`` → ``[rows, s/C, heads·d]``, keys and values of each whole sequence

@@ -53,6 +53,16 @@ def test_gpt3d_on_token_rows_equals_dense():
     assert_close(harness.run(8, on_grids, GRIDS, token_rows_job), tol=1e-9)
 
 
+def compiled_job(grid):
+    """Each block compiled and recomputed in backward: the same numbers on token rows."""
+    options = RuntimeOptions(compile=True, activation_checkpointing=True)
+    return equivalence(grid, "gqa", 1, 16, options)
+
+
+def test_compiled_and_checkpointed_blocks_on_token_rows():
+    assert_close(harness.run(2, on_grids, [(2, 1, 1)], compiled_job), tol=1e-9)
+
+
 def arrangement_job(grid):
     """Round trip, and each y-layout rank's rows are its zig-zag chunks of every sequence."""
     b, s = 3, 48

@@ -22,14 +22,9 @@ float dtype). ``torch.nn.attention.sdpa_kernel`` restricts the choice as it does
 cases (CUDA float32) raise. The kernels are called through their ``torch.ops.aten`` operators
 because ``scaled_dot_product_attention`` returns no log-sum-exp.
 
-Why this form (``benchmarks/micro/split_attention.py``, one H200, torch 2.11, Llama-7B heads,
-bf16, forward + backward of P ranks' kernels one after another against one causal SDPA over the
-whole sequence, which runs on cuDNN): at s = 128k it takes 0.99-1.02x the causal SDPA's time for
-P = 2-8 (grouped-query and multi-head), at 32k 1.07-1.24x; one SDPA call per chunk with a
-lower-right causal mask (``causal_lower_right``) reaches only the flash kernel, 1.6-1.9x (flash
-is 1.65-1.8x cuDNN on the whole sequence); ``flex_attention`` with a block mask, compiled,
-1.34-1.52x. At 8k the P ranks' many small calls leave the GPU waiting for the host (1.7-7x in
-time, 1.4-2.2x in the kernels' own time).
+Its speed against one causal SDPA over the whole sequence, and the forms it was chosen over (one
+call per chunk with a lower-right causal mask, ``flex_attention`` with a block mask), are in
+``docs/benchmarks.md`` (``benchmarks/micro/split_attention.py``).
 
 :func:`split_causal_attention` is the two together: ``q`` ``[b, 2L, heads, d]`` and local
 ``k, v`` ``[b, 2L, kv_heads, d]`` → ``[b, 2L, heads·d]``, this rank's rows of the dense causal
