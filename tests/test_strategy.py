@@ -327,6 +327,14 @@ def test_fit_equals_dense_twin(runs, dense):
     assert max(dense["grad_norm"][:6]) > common.CLIP, "clipping never acted: this test could not fail on it"
 
 
+def test_one_sequence_a_replica_runs_on_token_rows_as_the_dense_twin(runs):
+    """2×1×1 dp 2 at a global batch of 2: each replica's one sequence is cut into token rows."""
+    rec, reference = records(runs, "J")[0], common.dense_reference(12, global_batch=2)
+    assert rec["global_step"] == 12
+    assert_close(rec["loss"], reference["loss"], "2×1×1 dp 2 batch 1 losses")
+    assert_close(rec["grad_norm"], reference["grad_norm"], "2×1×1 dp 2 batch 1 gradient norms")
+
+
 def test_bf16_mixed_follows_the_dense_twin(runs, dense):
     h = records(runs, "H")[0]
     assert_close(h["loss"], dense["loss"][:3], "2×1×1 dp 2 bf16-mixed losses", 5e-3)

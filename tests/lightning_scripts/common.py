@@ -78,7 +78,7 @@ def module_class(namespace: str):
         """``workers > 0``: the training data is loaded by that many worker processes, which draw a random
         number a sample."""
 
-        def __init__(self, dropout: float = 0.0, workers: int = 0):
+        def __init__(self, dropout: float = 0.0, workers: int = 0, global_batch: int = GLOBAL_BATCH):
             super().__init__()
             self.save_hyperparameters()
             self.model = None
@@ -101,7 +101,7 @@ def module_class(namespace: str):
             workers = self.hparams.workers
             return DataLoader(
                 WithDraws(Tokens()) if workers else Tokens(),
-                batch_size=GLOBAL_BATCH // self.grid.data_parallel_size,
+                batch_size=self.hparams.global_batch // self.grid.data_parallel_size,
                 num_workers=workers,
             )
 
@@ -152,11 +152,13 @@ def fit(
     summary=False,
     ckpt_dir=None,
     workers=0,
+    global_batch=GLOBAL_BATCH,
 ):
     """One ``Trainer.fit`` with a checkpoint at every epoch end under ``ckpt_dir`` (default ``out/name``); writes
     ``out/name.rank<r>.json``.
 
     ``summary``: Lightning's model summary table, printed by rank 0. ``workers``: dataloader worker processes.
+    ``global_batch``: sequences a step over all replicas.
     """
     pl = importlib.import_module(namespace)
     save_every_epoch = importlib.import_module(f"{namespace}.callbacks").ModelCheckpoint(
@@ -175,7 +177,7 @@ def fit(
         default_root_dir=out,
         callbacks=[save_every_epoch, *callbacks],
     )
-    module = module_class(namespace)(dropout, workers)
+    module = module_class(namespace)(dropout, workers, global_batch)
     trainer.fit(module, ckpt_path=ckpt_path)
     strategy = trainer.strategy
     record = {
@@ -200,7 +202,7 @@ def validate_keeps_shards(trainer, module) -> dict:
     return {"kept_shards": kept, "val_loss": val_loss}
 
 
-def dense_reference(steps: int, dropout: float = 0.0) -> dict:
+def dense_reference(steps: int, dropout: float = 0.0, global_batch: int = GLOBAL_BATCH) -> dict:
     """Losses, pre-clip gradient norms and final state of DenseGPT on the same global batches."""
     torch.manual_seed(INIT_SEED)
     model = DenseGPT(config(dropout))
@@ -210,7 +212,7 @@ def dense_reference(steps: int, dropout: float = 0.0) -> dict:
     losses, norms, epoch = [], [], 0
     while len(losses) < steps:
         sampler.set_epoch(epoch)
-        for _, tokens in DataLoader(data, batch_size=GLOBAL_BATCH, sampler=sampler):
+        for _, tokens in DataLoader(data, batch_size=global_batch, sampler=sampler):
             if len(losses) == steps:
                 break
             loss = model(tokens[:, :-1], tokens[:, 1:])

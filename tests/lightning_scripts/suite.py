@@ -10,7 +10,8 @@ serves several Trainers. Each run writes ``OUT/<run>.rank<r>.json``; test_strate
   F 2×1×1 dp 2 (one dataloader worker a rank, model summary printed), then ``validate``;
   H the same in bf16-mixed, 1 epoch;
   I the same in float32 with the dp gradients reduced in fp16 (``ddp_comm_hook``; bf16 needs NCCL) and the
-  strategy's ``options`` (re-gathered weights, no token-range check: the same numbers), 1 epoch.
+  strategy's ``options`` (re-gathered weights, no token-range check: the same numbers), 1 epoch;
+  J 2×1×1 dp 2 at one sequence a replica (token rows), 1 epoch.
 - ``world1`` (pytorch_lightning): LightningCLI parses the strategy by name and by class_path;
   E ``strategy="tensor3d"`` by name (auto 1×1×1) resumed from B's last checkpoint, 3 epochs.
 """
@@ -92,6 +93,15 @@ def world4(out: Path) -> None:
         ),
         epochs=1,
         devices=4,
+    )
+    common.fit(
+        "lightning.pytorch",
+        out,
+        "J",
+        Tensor3DStrategy(grid=(2, 1, 1), data_parallel_size=2),
+        epochs=1,
+        devices=4,
+        global_batch=2,
     )
 
 
