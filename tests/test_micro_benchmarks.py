@@ -73,3 +73,38 @@ def test_packed_elementwise_micro_benchmark_on_cpu(tmp_path):
     with open(tmp_path / "packed_elementwise.json") as f:
         timed = json.load(f)["us"]
     assert len(timed) == 6 and all(t["wall_us"] > 0 and t["gpu_us"] is None for t in timed.values()), timed
+
+
+def test_token_rows_counts_match_the_cost_model(tmp_path):
+    """Batch 1 on 8 gloo ranks: the all-gathers and reduce-scatters each rank calls are the cost model's
+    bytes (the first call's shape agreements add a few hundred), and the bytes kept for backward fall
+    close to 1/P of one rank's plus the gathered keys and values (the products' gathered inputs,
+    kept on every grid, add the rest)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "8",
+        os.path.join(ROOT, "benchmarks", "micro", "token_rows_counts.py"),
+        "--seq",
+        "1024",
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(tmp_path / "token_rows_counts.json") as f:
+        ranks = json.load(f)["ranks"]
+    for rank in ranks:
+        assert [r["token_rows"] for r in rank] == [False, True, True, True]
+        for r in rank:
+            for kind, sent in r["sent_bytes"].items():
+                assert r["sent_predicted"][kind] <= sent <= r["sent_predicted"][kind] + 4096, (
+                    r["grid"],
+                    kind,
+                )
+            assert 0.95 < r["saved_ratio"] < 1.3, (r["grid"], r["saved_ratio"])
