@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("layers", ("lightning_3d.layers", "lightning_3d.token_rows")),
     ("parallel", ("lightning_3d.parallel",)),
     ("models", ("lightning_3d.models", "lightning_3d.hf", "lightning_3d.litgpt")),
+    ("pipeline", ("lightning_3d.pipeline",)),
     ("cost", ("lightning_3d.cost",)),
     ("integration", ("lightning_3d.strategy", "lightning_3d")),
     ("deepspeed", ("deepspeed_3d",)),

@@ -1,0 +1,152 @@
+"""A training step over this rank's pipeline stages: :func:`build_schedule` and :meth:`Pipeline.step`.
+
+The schedule is ``torch.distributed.pipelining``'s, over the grid's ``"pipe"`` group: each cube
+rank hands its own z-layout hidden block ``[rows/(px·py), row_len, h/pz]`` to the rank with the
+same cube coordinates in the next stage, and receives its gradient back; nothing is gathered. Every
+rank of a cube runs the same schedule step in lockstep, so the collectives inside each stage's
+forward and backward match.
+
+Zero-bubble schedules (``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``) run in their
+order, but their bubbles stay: a stage's backward computes the weight gradients with the input
+gradients (see :func:`_weights_with_inputs`), where those schedules would defer them.
+
+The loss is the mean over the whole batch's counted targets, as the model's own forward computes
+it: micro-batch ``k`` contributes its mean times ``n_k / n`` (``n_k`` of its targets counted, ``n``
+of the batch's), and gradients are not scaled again. Each micro-batch must hold a counted target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from .kinds import canonical_name, fixed_stages_per_rank, schedule_class, stage_indices, stage_owner
+from .stages import Stage
+
+
+class Pipeline:
+    """This rank's stages under one schedule, for batches ``[batch, seq_len]`` cut into
+    ``n_microbatches`` micro-batches. Build it with :func:`build_schedule`."""
+
+    def __init__(self, stages: list[Stage], schedule: str, n_microbatches: int, batch_shape: tuple[int, int]):
+        self.stages, self.schedule_name = stages, canonical_name(schedule)
+        self.n_microbatches, self.batch_shape = n_microbatches, batch_shape
+        self.grid = stages[0].grid
+        self.first = next((s for s in stages if s.is_first), None)
+        self.last = next((s for s in stages if s.is_last), None)
+        group = self.grid.group("pipe")
+        torch_stages = [
+            PipelineStage(
+                s.module,
+                s.index,
+                s.num_stages,
+                s.device,
+                input_args=s.example_input(),
+                output_args=s.example_output(),
+                group=group,
+                dw_builder=_weights_with_inputs,
+            )
+            for s in stages
+        ]
+        cls = schedule_class(self.schedule_name)
+        single = issubclass(cls, PipelineScheduleSingle)
+        self.schedule = cls(
+            torch_stages[0] if single else torch_stages, n_microbatches, loss_fn=self._loss, scale_grads=False
+        )
+
+    def step(self, ids: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward and backward of the batch: ``ids`` ``[batch, seq_len]`` where this rank runs
+        the first stage, ``targets`` ``[batch, seq_len]`` where it runs the last (the same on every
+        cube rank; elsewhere they may be None). Gradients accumulate into each stage's ``.grad``, as a
+        ``backward`` does.
+
+        Returns the batch's mean loss (detached, float64) on every rank: one broadcast over the
+        ``"pipe"`` group from the rank of the last stage.
+        """
+        args, kwargs, losses = (), {}, []
+        if self.first is not None:
+            args = (self._checked(ids, "ids"),)
+        if self.last is not None:
+            targets = self._checked(targets, "targets")
+            kwargs = {"target": targets, "losses": losses, "loss_kwargs": {"total": self._counted(targets)}}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        device = self.stages[0].device
+        loss = (
+            torch.stack(losses).sum().double()
+            if losses
+            else torch.zeros((), dtype=torch.float64, device=device)
+        )
+        owner = stage_owner(self.stages[0].num_stages - 1, self.grid.pipeline_size, self.schedule_name)
+        if self.grid.pipeline_size > 1:
+            dist.broadcast(loss, group=self.grid.group("pipe"), group_src=owner)
+        return loss
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, *, total: int) -> torch.Tensor:
+        """A micro-batch's share of the batch's mean loss: its own mean times its counted targets / ``total``."""
+        split, mb = self.last.split, self.last.micro_batch
+        mean = split.loss(self.last.module, logits, targets, mb)
+        return mean * split.counted(targets).sum() / total
+
+    def _checked(self, t: torch.Tensor | None, what: str) -> torch.Tensor:
+        if t is None or tuple(t.shape) != tuple(self.batch_shape):
+            got = None if t is None else list(t.shape)
+            raise ValueError(
+                f"pipeline step: {what} must be {list(self.batch_shape)} (the batch build_schedule was given) on a "
+                f"rank that runs the {'first' if what == 'ids' else 'last'} stage, got {got}"
+            )
+        return t
+
+    def _counted(self, targets: torch.Tensor) -> int:
+        """The batch's counted targets; ``ValueError`` when a micro-batch has none (its mean would be 0/0)."""
+        counts = self.last.split.counted(targets).reshape(self.n_microbatches, -1).sum(1).tolist()
+        empty = [k for k, n in enumerate(counts) if n == 0]
+        if empty:
+            raise ValueError(
+                f"pipeline step: micro-batches {empty} of {self.n_microbatches} have every target ignored, so "
+                "their mean loss is 0/0; put counted targets in every micro-batch (reorder the batch) or use "
+                "fewer micro-batches"
+            )
+        return sum(counts)
+
+
+def _weights_with_inputs() -> Callable[[], None]:
+    """A stage's deferred weight pass, which has nothing left to do: a 3-D layer's backward computes
+    its input and weight gradients in one pass (with their collectives), so each backward action
+    computes both, and a zero-bubble schedule's weight actions are empty."""
+    return lambda: None
+
+
+def build_schedule(
+    stages: list[Stage], schedule: str, n_microbatches: int, batch_shape: tuple[int, int]
+) -> Pipeline:
+    """The :class:`Pipeline` running ``stages`` (this rank's, from
+    :func:`~lightning_3d.pipeline.stages.split_stages` with the same ``schedule``) under ``schedule``
+    with ``n_microbatches`` micro-batches of batches ``batch_shape = (batch, seq_len)``.
+
+    Collective over the grid's ``"pipe"`` group at the first step. ``ValueError`` when the stages are
+    not those this rank runs under ``schedule``, or the batch does not cut into equal micro-batches
+    that run on the grid.
+    """
+    if not stages:
+        raise ValueError("build_schedule needs this rank's stages (split_stages makes them)")
+    name, grid = canonical_name(schedule), stages[0].grid
+    indices = [s.index for s in stages]
+    expected = stage_indices(grid, name, len(stages) if fixed_stages_per_rank(name) is None else None)
+    if indices != expected:
+        raise ValueError(
+            f"under {name} this rank runs stages {expected}, but got stages {indices}; pass split_stages the "
+            "same schedule (and stages_per_rank)"
+        )
+    batch, seq_len = batch_shape
+    if not isinstance(n_microbatches, int) or n_microbatches < 1 or batch % n_microbatches:
+        raise ValueError(
+            f"a batch of {batch} sequences does not cut into {n_microbatches!r} equal micro-batches; "
+            f"pick n_microbatches among the divisors of {batch}"
+        )
+    for stage in stages:
+        stage.bind(batch // n_microbatches, seq_len)
+    return Pipeline(stages, name, n_microbatches, (batch, seq_len))
