@@ -7,8 +7,8 @@ the dense model's weights, and takes three AdamW steps on four micro-batches of 
 (token rows on the cubes of several ranks, whole sequences on one rank); the loss of every step and
 every parameter after them equal DenseGPT's on one process (each dp replica on its own batch).
 Each stage holds its parameters under the whole model's names, and a stage built on ``meta`` draws
-the same initial values as the whole model. A Hugging Face Llama (GQA, untied) split into two stages
-of 2×1×1 trains as the unmodified model does. The refusals name their numbers and fixes.
+the same initial values as the whole model. Hugging Face's Llama (GQA) and GPT-2, untied, split
+into two stages of 2×1×1, train as the unmodified models do. The refusals name their numbers and fixes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import harness
 import pytest
 import torch
 from checks import rel, seed_for, value_error
-from test_hf_parallelize import float64_reference, llama, perturbed, shifted_loss
+from test_hf_parallelize import float64_reference, gpt2, llama, perturbed, shifted_loss
 
 from lightning_3d import destroy_grid, init_grid
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
@@ -135,39 +135,42 @@ def test_stages_train_as_dense(world):
     _assert_small(harness.run(world, layouts_job, world))
 
 
-def hf_llama_job() -> dict:
-    """A Hugging Face Llama in two stages of 2×1×1 under 1F1B: three AdamW steps as the unmodified model's."""
+HF_MODELS = {"llama": lambda: llama(False), "gpt2": lambda: gpt2(False)}  # GQA Llama; both untied, 2 layers
+
+
+def hf_job() -> dict:
+    """Hugging Face models in two stages of 2×1×1 under 1F1B: three AdamW steps as the unmodified model's."""
     grid = init_grid((2, 1, 1), pipeline_size=2)
-    make = lambda: llama(False, num_hidden_layers=4)  # noqa: E731
-    dense = perturbed(make, 1)
-    ref = float64_reference(dense)  # its RMSNorms in float64, as the 3-D norms compute
-    stages = split_stages(dense, grid, schedule="1F1B")  # consumes ``dense``
-    pipeline = build_schedule(stages, "1F1B", 2, (4, 8))
-    params = [p for stage in stages for p in stage.module.parameters()]
-    opts = [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1) for ps in (ref.parameters(), params)]
-    torch.manual_seed(seed_for(grid, 3))
-    ids = torch.randint(0, 60, (4, 8))
-    labels = ids.clone()
-    labels[0, 2] = labels[3, 5] = -100
     errs = {}
-    for step in range(STEPS):
-        for opt in opts:
-            opt.zero_grad()
-        want = shifted_loss(ref(input_ids=ids, use_cache=False).logits, labels)
-        want.backward()
-        loss = pipeline.step(ids, labels)
-        for opt in opts:
-            opt.step()
-        errs[f"loss{step}"] = rel(loss, want.detach())
-    state = ref.state_dict()
-    for stage in stages:
-        errs.update({k: rel(t, state[k]) for k, t in dense_state_dict(stage.module).items()})
+    for name, make in HF_MODELS.items():
+        dense = perturbed(make, 1)
+        ref = float64_reference(dense)  # Llama's RMSNorms in float64, as the 3-D norms compute
+        stages = split_stages(dense, grid, schedule="1F1B")  # consumes ``dense``
+        pipeline = build_schedule(stages, "1F1B", 2, (4, 8))
+        params = [p for stage in stages for p in stage.module.parameters()]
+        opts = [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1) for ps in (ref.parameters(), params)]
+        torch.manual_seed(seed_for(grid, 3))
+        ids = torch.randint(0, 60, (4, 8))
+        labels = ids.clone()
+        labels[0, 2] = labels[3, 5] = -100
+        for step in range(STEPS):
+            for opt in opts:
+                opt.zero_grad()
+            want = shifted_loss(ref(input_ids=ids, use_cache=False).logits, labels)
+            want.backward()
+            loss = pipeline.step(ids, labels)
+            for opt in opts:
+                opt.step()
+            errs[f"{name}_loss{step}"] = rel(loss, want.detach())
+        state = ref.state_dict()
+        for stage in stages:
+            errs.update({f"{name}_{k}": rel(t, state[k]) for k, t in dense_state_dict(stage.module).items()})
     destroy_grid(grid)
     return errs
 
 
-def test_hf_llama_stages_train_as_the_model():
-    _assert_small(harness.run(4, hf_llama_job))
+def test_hf_stages_train_as_the_model():
+    _assert_small(harness.run(4, hf_job))
 
 
 def refusals_job() -> dict:
