@@ -28,10 +28,10 @@ V, B, S, STEPS = 50, 4, 8, 3
 F64 = torch.float64
 TOL = 1e-9
 STYLES = {"gpt2": {}, "llama": dict(style="llama", ffn_hidden=24, n_kv_head=2)}
-# world → [((pp, (px, py, pz), dp), style, schedules)]
+# world → [((pp, (px, py, pz), dp), style, schedules)]; a schedule with split points as (name, points)
 LAYOUTS = {
     4: [
-        ((2, (2, 1, 1), 1), "gpt2", ("GPipe", "1F1B", "Interleaved1F1B")),
+        ((2, (2, 1, 1), 1), "gpt2", (("GPipe", [1]), "1F1B", "Interleaved1F1B")),  # GPipe: layers 0 | 1-3
         ((2, (1, 1, 1), 2), "llama", ("GPipe", "1F1B", "InterleavedZeroBubble")),
         ((4, (1, 1, 1), 1), "gpt2", ("GPipe", "1F1B")),
     ],
@@ -69,12 +69,13 @@ def held(key: str, stage) -> bool:
     return stage.is_first if key.startswith(("transformer.wte", "transformer.wpe")) else stage.is_last
 
 
-def train(grid, style: str, schedule: str) -> dict:
+def train(grid, style: str, schedule: str, split_points=None) -> dict:
     """Losses of three AdamW steps and every parameter after them, against DenseGPT."""
     cfg = config(style)
     dense = dense_model(cfg, 1)
     state = dense.state_dict()
-    stages = split_stages(DenseGPT(cfg, device="meta", dtype=F64), grid, schedule=schedule)
+    meta = DenseGPT(cfg, device="meta", dtype=F64)
+    stages = split_stages(meta, grid, schedule=schedule, split_points=split_points)
     errs = {}
     for stage in stages:
         keys = set(stage.module.state_dict())
@@ -118,8 +119,9 @@ def layouts_job(world: int) -> dict:
     for (pp, shape, dp), style, schedules in LAYOUTS[world]:
         grid = init_grid(shape, dp, pipeline_size=pp)
         where = f"pp{pp}_{'x'.join(map(str, shape))}_dp{grid.data_parallel_size}_{style}"
-        for schedule in schedules:
-            out.update({f"{where}_{schedule}_{k}": e for k, e in train(grid, style, schedule).items()})
+        for schedule, points in ((s, None) if isinstance(s, str) else s for s in schedules):
+            errs = train(grid, style, schedule, points)
+            out.update({f"{where}_{schedule}_{k}": e for k, e in errs.items()})
         out.update({f"{where}_{k}": e for k, e in meta_init(grid, style).items()})
         destroy_grid(grid)
     return out

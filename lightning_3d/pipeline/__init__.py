@@ -17,7 +17,8 @@ cube::
 - :mod:`.schedule`: :func:`build_schedule` and :meth:`Pipeline.step`, the hand-over of each cube
   rank's own block to its peer in the next stage, the loss as the whole batch's mean.
 - Built-in splits: :class:`DenseGPT` (:mod:`.gpt`); Hugging Face ``LlamaForCausalLM``,
-  ``MistralForCausalLM``, ``Qwen2ForCausalLM`` (:mod:`.hf`), registered by class name.
+  ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``GPT2LMHeadModel`` (:mod:`.hf`), registered by
+  class name.
 """
 
 from . import gpt as gpt  # registers DenseGPT's split

@@ -76,7 +76,7 @@ class Pipeline:
         self.schedule.step(*args, return_outputs=False, **kwargs)
         device = self.stages[0].device
         loss = (
-            torch.stack(losses).sum().double()
+            torch.stack(losses).sum().detach().double()
             if losses
             else torch.zeros((), dtype=torch.float64, device=device)
         )
