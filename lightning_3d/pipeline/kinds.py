@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch.distributed.pipelining import schedules
 
+from .. import arguments
 from ..grid import Grid
 
 #: the names ``schedule_class`` takes (case-insensitive), as ``torch.distributed.pipelining`` spells them
@@ -52,9 +53,7 @@ def stages_per_rank(name: str, asked: int | None = None) -> int:
     ``asked`` (default 2) for looped ones; ``ValueError`` when ``asked`` does not fit."""
     fixed = fixed_stages_per_rank(name)
     if fixed is None:
-        if asked is not None and (not isinstance(asked, int) or asked < 1):
-            raise ValueError(f"stages_per_rank must be a positive int, got {asked!r}")
-        return 2 if asked is None else asked
+        return 2 if asked is None else arguments.positive_int(asked, "stages_per_rank")
     if asked not in (None, fixed):
         raise ValueError(
             f"schedule {canonical_name(name)} runs {fixed} stage(s) per rank, not {asked}; leave stages_per_rank unset"
@@ -65,9 +64,7 @@ def stages_per_rank(name: str, asked: int | None = None) -> int:
 def stage_indices(grid: Grid, name: str, per_rank: int | None = None) -> list[int]:
     """The stages this rank runs under schedule ``name``, in stage order (see the module's docstring)."""
     v, pp, r = stages_per_rank(name, per_rank), grid.pipeline_size, grid.stage
-    if canonical_name(name) in V_SHAPED:
-        return [r, 2 * pp - 1 - r]
-    return [r + k * pp for k in range(v)]
+    return [r, 2 * pp - 1 - r] if canonical_name(name) in V_SHAPED else [r + k * pp for k in range(v)]
 
 
 def stage_owner(stage: int, pipeline_size: int, name: str) -> int:

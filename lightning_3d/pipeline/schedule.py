@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from .. import arguments
 from .kinds import canonical_name, fixed_stages_per_rank, schedule_class, stage_indices, stage_owner
 from .stages import Stage
 
@@ -142,9 +143,9 @@ def build_schedule(
             "same schedule (and stages_per_rank)"
         )
     batch, seq_len = batch_shape
-    if not isinstance(n_microbatches, int) or n_microbatches < 1 or batch % n_microbatches:
+    if batch % arguments.positive_int(n_microbatches, "n_microbatches"):
         raise ValueError(
-            f"a batch of {batch} sequences does not cut into {n_microbatches!r} equal micro-batches; "
+            f"a batch of {batch} sequences does not cut into {n_microbatches} equal micro-batches; "
             f"pick n_microbatches among the divisors of {batch}"
         )
     for stage in stages:
