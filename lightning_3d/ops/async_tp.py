@@ -66,19 +66,15 @@ def check_available(device_type: str, cube_size: int, axes_across_nodes: tuple[s
             )
 
 
-_enabled: set[str] = set()
-
-
 def _group_name(group: dist.ProcessGroup) -> str:
     """The group's name, with symmetric memory enabled for it (torch < 2.12 needs the call)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     name = group.group_name
-    if name not in _enabled:
+    if not symm_mem.is_symm_mem_enabled_for_group(name):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(name)
-        _enabled.add(name)
     return name
 
 
