@@ -1,8 +1,9 @@
 """The cost model: what a training step on a 3-D grid costs, and which grid ``grid="auto"`` picks.
 
-Three parts, each above what it prices (the grid, the layers' collectives): the machine's rates and
+Four parts, each above what it prices (the grid, the layers' collectives): the machine's rates and
 their measurement (:mod:`.machine`), the formulas for step time, memory and bytes sent
-(:mod:`.formulas`), and the search over grids (:mod:`.search`).
+(:mod:`.formulas`), pipeline stages' bubble and hand-overs (:mod:`.pipeline`), and the search over
+grids (:mod:`.search`).
 """
 
 from .formulas import (
@@ -18,6 +19,7 @@ from .formulas import (
     token_rows,
 )
 from .machine import CPU, DEFAULT_MACHINE, GPU, OPS, Link, Machine, Sizes, measure_machine
+from .pipeline import bubble_fraction, hand_over_bytes, predict_pipeline, stage_layers
 from .search import best_grid, candidates, cube_grids, fits
 
 __all__ = [
@@ -33,14 +35,18 @@ __all__ = [
     "Prediction",
     "Sizes",
     "best_grid",
+    "bubble_fraction",
     "candidates",
     "cube_grids",
     "fits",
     "grid_error",
+    "hand_over_bytes",
     "measure_machine",
     "node_axes",
     "predict_3d",
     "predict_job",
+    "predict_pipeline",
     "sent_bytes",
+    "stage_layers",
     "token_rows",
 ]

@@ -580,6 +580,7 @@ def predict_job(
         "optimizer_ms": optimizer * 1e3,
         "dp_sync_ms": dp_sync * 1e3,
         "dp_exposed_ms": dp_exposed * 1e3,
+        "activations_GiB": blocks.detail["activations_GiB"],
     }
     comm = (
         blocks.comm_ms
