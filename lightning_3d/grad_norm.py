@@ -4,7 +4,9 @@ A parameter's shards differ along the grid axes that cut it and repeat along the
 :class:`~lightning_3d.sharding.ShardSpec`'s replicated axes inside the cube, and ``dp`` (after
 the data-parallel all-reduce every replica holds the same gradients). So the squared norm of the
 whole model is the sum, over the cube, of the squared norms of the shards this rank *represents*
-(coordinate 0 on every replicating axis); ``dp`` adds nothing. When the dp ranks hold gradients
+(coordinate 0 on every replicating axis); ``dp`` adds nothing. With pipeline stages, each
+stage's cube holds its own layers, so the sum runs over the ``"replica"`` group (every stage's cube
+of one replica; the cube itself with one stage). When the dp ranks hold gradients
 of different parameters (a ZeRO partition), sum over the world instead, each rank counting its
 own parameters. Any integration (Lightning, DeepSpeed) clips with these two functions.
 """
@@ -73,15 +75,16 @@ def grad_norm(
             counted once.
         grid: the grid the parameters live on.
         norm_type: any p > 0, or ``inf``.
-        group: the ranks whose counted shards together make up the model once. Default: the cube
-            (every dp replica holds all gradients, equal across dp). Pass the world group when
-            each dp rank passes a different part of the parameters.
+        group: the ranks whose counted shards together make up the model once. Default: the
+            ``"replica"`` group, every stage's cube (every dp replica holds all gradients, equal
+            across dp). Pass the world group when each dp rank passes a different part of the
+            parameters.
 
     Returns:
         A float32 scalar (float64 when a gradient is float64) on the gradients' device.
     """
     params = _unique_with_grad(params)
-    group = group if group is not None else grid.group("cube")
+    group = group if group is not None else grid.group("replica")
     device = params[0].grad.device if params else torch.device(grid.mesh.device_type)
     dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p in params) else torch.float32
     counted = [p.grad.detach() for p in params if counts_once(p, grid)]
