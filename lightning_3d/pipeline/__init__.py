@@ -16,6 +16,9 @@ cube::
 - :mod:`.kinds`: the schedules by name and which stages a rank runs under each.
 - :mod:`.schedule`: :func:`build_schedule` and :meth:`Pipeline.step`, the hand-over of each cube
   rank's own block to its peer in the next stage, the loss as the whole batch's mean.
+- :mod:`.pipelined`: :class:`PipelinedModel`, this rank's stages called as the model
+  (``loss = model(ids, targets)``, ``loss.backward()``), as ``Tensor3DStrategy(pipeline_size=pp)``
+  runs them; :class:`PipelineOptions` (:mod:`.options`), its schedule and split.
 - Built-in splits: :class:`DenseGPT` (:mod:`.gpt`); Hugging Face ``LlamaForCausalLM``,
   ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``GPT2LMHeadModel`` (:mod:`.hf`), registered by
   class name.
@@ -24,6 +27,8 @@ cube::
 from . import gpt as gpt  # registers DenseGPT's split
 from . import hf as hf  # registers the Hugging Face splits by class name (no transformers import)
 from .kinds import SCHEDULES, stage_indices
+from .options import PipelineOptions
+from .pipelined import PipelinedModel
 from .schedule import Pipeline, build_schedule
 from .split import MicroBatch, StageSplit, find_split, layer_ranges, register_split
 from .stages import Stage, StageLayers, split_stages
@@ -32,6 +37,8 @@ __all__ = [
     "SCHEDULES",
     "MicroBatch",
     "Pipeline",
+    "PipelineOptions",
+    "PipelinedModel",
     "Stage",
     "StageLayers",
     "StageSplit",

@@ -68,13 +68,20 @@ class Pipeline:
         Returns the batch's mean loss (detached, float64) on every rank: one broadcast over the
         ``"pipe"`` group from the rank of the last stage.
         """
+        return self._run(self.schedule.step, ids, targets)
+
+    def evaluate(self, ids: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The batch's mean loss, as :meth:`step` returns it, from the forward passes only (no gradients)."""
+        return self._run(self.schedule.eval, ids, targets)
+
+    def _run(self, run: Callable, ids: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
         args, kwargs, losses = (), {}, []
         if self.first is not None:
             args = (self._checked(ids, "ids"),)
         if self.last is not None:
             targets = self._checked(targets, "targets")
             kwargs = {"target": targets, "losses": losses, "loss_kwargs": {"total": self._counted(targets)}}
-        self.schedule.step(*args, return_outputs=False, **kwargs)
+        run(*args, return_outputs=False, **kwargs)
         device = self.stages[0].device
         loss = (
             torch.stack(losses).sum().detach().double()

@@ -10,7 +10,9 @@ replaces what must change on a grid:
 - ``setup_environment`` builds the grid (all groups) before ``configure_model``, makes it current
   and exposes it as ``LightningModule.grid``;
 - ``setup`` wraps the module in DDP over the **dp group only** (no whole-world parameter
-  broadcast, in any stage) and optionally makes each optimizer ZeRO-1 over dp;
+  broadcast, in any stage) and optionally makes each optimizer ZeRO-1 over dp; with
+  ``pipeline_size > 1`` it first splits the LightningModule's model into this rank's pipeline
+  stages (:mod:`.stages`);
 - the precision plugin is Lightning's, as a subclass that clips by the global 3-D norm (and, for
   fp16, agrees on overflow over the world): :mod:`.precision`;
 - data, ``reduce``, ``all_gather`` and ``self.log(sync_dist=True)`` work over dp: every cube rank
@@ -39,6 +41,7 @@ from .. import arguments, cost
 from .. import checkpoint as ckpt
 from ..cost import ModelShape
 from ..options import RuntimeOptions
+from ..pipeline import PipelineOptions
 from .checkpoints import FABRIC_STATE_KEY, load_meta, load_sharded, save_sharded
 from .failures import ReportFailuresOnce, same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
@@ -46,6 +49,7 @@ from .precision import on_grid
 from .preemption import StopOnPreemption
 from .replicas import GridReplicas
 from .resume import resume_point, skip_message
+from .stages import built_for_stages, checked_pipeline, drop_unsplit, into_stages, refuse_checkpoints
 from .summary import SummariseGlobally
 
 FITTING = "fit"  # TrainerFn.FITTING, a str enum in both namespaces
@@ -70,6 +74,12 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             (8 → 2×2×2, 4 → 2×2×1, 2 → 2×1×1); with ``model_shape`` (and dp ``"auto"``),
             the grid and dp the cost model predicts fastest (:mod:`lightning_3d.cost`).
         data_parallel_size: model replicas, or ``"auto"``: the rest of the world.
+        pipeline_size: pipeline stages, each holding ``world / pipeline_size`` ranks (``dp × px ×
+            py × pz``). With more than one, ``configure_model`` builds the plain model (``DenseGPT``,
+            a Hugging Face model) on ``meta`` and the strategy runs it as
+            :class:`lightning_3d.pipeline.PipelinedModel` (``docs/lightning.md``, "Pipeline stages").
+        pipeline: the schedule and split (:class:`lightning_3d.pipeline.PipelineOptions`); default
+            ``1F1B`` with ``pipeline_size`` micro-batches, equal layer counts, the built-in plan.
         zero_stage: 0, or 1 to shard optimizer state over the dp group (ZeRO-1).
         process_group_backend: ``"nccl"`` / ``"gloo"``; default from the device.
         timeout: collective timeout (timedelta or seconds, positive and finite): how long a rank
@@ -97,7 +107,8 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             and ``process_group``.
 
     Raises:
-        ValueError: a bad ``grid``, ``data_parallel_size``, ``zero_stage`` or ``timeout``,
+        ValueError: a bad ``grid``, ``data_parallel_size``, ``pipeline_size``, ``zero_stage`` or ``timeout``,
+            ``pipeline`` not a ``PipelineOptions`` or without ``pipeline_size > 1``,
             ``options`` not a ``RuntimeOptions``, a ``ddp_kwargs`` name ``DistributedDataParallel``
             does not take; at setup, numbers that do not multiply to the world size.
     """
@@ -111,6 +122,8 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         self,
         grid: Literal["auto"] | tuple[int, int, int] = "auto",
         data_parallel_size: Literal["auto"] | int = "auto",
+        pipeline_size: int = 1,
+        pipeline: PipelineOptions | None = None,
         zero_stage: int = 0,
         process_group_backend: str | None = None,
         timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
@@ -140,6 +153,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         self.take_grid_arguments(
             grid,
             data_parallel_size,
+            pipeline_size,
             zero_stage,
             model_shape,
             options,
@@ -149,6 +163,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             ddp_comm_state,
             ddp_kwargs,
         )
+        self.pipeline = checked_pipeline(pipeline, self.pipeline_size)
         self._resumed_from: tuple | None = None
 
     # ----- precision: Lightning's plugin, as its grid-aware subclass -----
@@ -173,8 +188,9 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
 
     @contextlib.contextmanager
     def model_sharded_context(self):
-        """``configure_model`` runs alike on every rank: its ``ValueError`` is a :class:`ConfigurationError`."""
-        with super().model_sharded_context(), same_on_every_rank():
+        """``configure_model`` runs alike on every rank: its ``ValueError`` is a :class:`ConfigurationError`.
+        With pipeline stages it builds on ``meta``: each rank materialises its own stages at setup."""
+        with super().model_sharded_context(), same_on_every_rank(), built_for_stages(self.pipeline):
             yield
 
     def setup_environment(self) -> None:
@@ -202,6 +218,17 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             raise ValueError(
                 "sync_batchnorm is not supported by the tensor3d strategy; use LayerNorm3D / RMSNorm3D"
             )
+        if self.pipeline is not None:
+            with same_on_every_rank():
+                refuse_checkpoints(self.pipeline_size, bool(trainer.checkpoint_callbacks))
+                into_stages(
+                    self.lightning_module,
+                    self.grid,
+                    self.pipeline,
+                    str(self.precision_plugin.precision),
+                    self.options,
+                    self.root_device,
+                )
         self.apply_options(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -224,6 +251,11 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         super().setup_optimizers(trainer)
         for optimizer in map(unwrap, self.optimizers):
             self.shard_optimizer_state(optimizer)
+
+    def teardown(self) -> None:
+        if self.pipeline is not None and self.lightning_module is not None:
+            drop_unsplit(self.lightning_module)
+        super().teardown()
 
     # ----- checkpoints -----
 
@@ -251,6 +283,8 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
                 "Tensor3DStrategy.save_checkpoint does not take storage_options: it writes with "
                 "torch.distributed.checkpoint"
             )
+        with same_on_every_rank():
+            refuse_checkpoints(self.pipeline_size, True)
         path = Path(self.broadcast(str(filepath)))
         if resume_point(path, checkpoint) == self._resumed_from:
             self.info(skip_message(path))
@@ -264,6 +298,8 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         A checkpoint Fabric wrote (``Tensor3DFabricStrategy``) gives the model and optimizers; the
         loops and LR schedulers start afresh (Fabric keeps no Lightning loop state).
         """
+        with same_on_every_rank():
+            refuse_checkpoints(self.pipeline_size, True)
         path = Path(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
         fitting = module.trainer.state.fn == FITTING

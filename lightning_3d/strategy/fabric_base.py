@@ -140,6 +140,9 @@ class Tensor3DFabricMixin(GridStrategy):
         grid, data_parallel_size, zero_stage, process_group_backend, timeout, model_shape,
         machine, ddp_comm_hook, ddp_comm_state, **ddp_kwargs: as the Trainer's
             ``Tensor3DStrategy`` (``docs/lightning.md``).
+        pipeline_size: pipeline stages of the grid (``strategy.grid.stage``, its ``"pipe"`` group);
+            ``fabric.setup`` does not split a model into them: with ``pipeline_size > 1`` the loop
+            runs :class:`lightning_3d.pipeline.PipelinedModel` itself.
         plan: the :class:`lightning_3d.Plan` that ``fabric.setup`` parallelizes the model with;
             default: the built-in plan of its class.
         options: the model's run-time choices (:class:`lightning_3d.RuntimeOptions`); at
@@ -162,6 +165,7 @@ class Tensor3DFabricMixin(GridStrategy):
         self,
         grid: Literal["auto"] | tuple[int, int, int] = "auto",
         data_parallel_size: Literal["auto"] | int = "auto",
+        pipeline_size: int = 1,
         zero_stage: int = 0,
         plan: Plan | None = None,
         options: RuntimeOptions | None = None,
@@ -190,6 +194,7 @@ class Tensor3DFabricMixin(GridStrategy):
         self.take_grid_arguments(
             grid,
             data_parallel_size,
+            pipeline_size,
             zero_stage,
             model_shape,
             options,
@@ -272,6 +277,12 @@ class Tensor3DFabricMixin(GridStrategy):
             raise TypeError(
                 "pass fabric.setup the model itself, not wrapped in DistributedDataParallel: the strategy "
                 "wraps it over dp"
+            )
+        if self.grid.pipeline_size > 1:
+            raise NotImplementedError(
+                f"fabric.setup puts a whole model on each cube and splits none into pipeline stages "
+                f"(pipeline_size={self.grid.pipeline_size}): use the Trainer's Tensor3DStrategy(pipeline_size=...), "
+                "or lightning_3d.pipeline.PipelinedModel(model, fabric.strategy.grid) in your own loop"
             )
         with same_on_every_rank():
             if any(isinstance(m, Module3D) for m in module.modules()):

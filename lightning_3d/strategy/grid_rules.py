@@ -46,27 +46,42 @@ def resolve(
     devices_per_node: int,
     model_shape: cost.ModelShape | None = None,
     *,
+    pipeline_size: int = 1,
     options: RuntimeOptions | None = None,
     machine: cost.Machine | None = None,
     half_grads: bool = False,
 ) -> tuple[tuple[int, int, int], int]:
-    """The ``(px, py, pz)`` and dp of a world of ``world`` ranks.
+    """The ``(px, py, pz)`` and dp of a world of ``world`` ranks in ``pipeline_size`` stages.
 
-    ``grid="auto"`` with dp ``"auto"`` and a ``model_shape`` takes the cost model's fastest grid
-    that fits (:func:`lightning_3d.cost.best_grid`, nodes of ``devices_per_node`` GPUs, links
-    between them priced as such), on ``machine``'s rates (:func:`lightning_3d.cost.measure_machine`;
-    default :data:`~lightning_3d.cost.DEFAULT_MACHINE`; ``half_grads``: the gradient reduction over
-    dp runs in half precision, :func:`halves_gradients`), with ``options``' ``async_tp`` and
-    ``grads_at_end`` (default ``RuntimeOptions()``); without a shape it factors
-    the devices of one node, so that each cube lies inside a node and dp spans the nodes (or
-    ``world / dp`` when dp is given).
-    ``data_parallel_size="auto"`` takes the rest.
+    Each stage holds ``world / pipeline_size`` ranks, ``dp × px × py × pz`` (stages are the outermost
+    axis of the rank order, :func:`lightning_3d.grid.init_grid`). ``grid="auto"`` with dp ``"auto"``
+    and a ``model_shape`` takes the cost model's fastest grid that fits
+    (:func:`lightning_3d.cost.best_grid`, nodes of ``devices_per_node`` GPUs, links between them
+    priced as such), on ``machine``'s rates (:func:`lightning_3d.cost.measure_machine`; default
+    :data:`~lightning_3d.cost.DEFAULT_MACHINE`; ``half_grads``: the gradient reduction over dp runs
+    in half precision, :func:`halves_gradients`), with ``options``' ``async_tp`` and
+    ``grads_at_end`` (default ``RuntimeOptions()``); the cost model prices one stage only, so not
+    with ``pipeline_size > 1``. Without a shape it factors the devices of one node (of one stage's
+    ranks), so that each cube lies inside a node and dp spans the nodes (or ``world / (pp·dp)``
+    when dp is given). ``data_parallel_size="auto"`` takes the rest.
 
     Raises:
         ValueError: the numbers do not multiply to the world size; the message names the fix.
     """
+    pp = arguments.positive_int(pipeline_size, "pipeline_size")
+    if world % pp:
+        raise ValueError(
+            f"pipeline_size={pp} does not divide the world size {world}; launch a multiple of {pp} processes "
+            f"or pick a pipeline_size that divides {world}"
+        )
+    ranks = world // pp
     if grid == "auto":
         if dp == "auto" and model_shape is not None:
+            if pp > 1:
+                raise ValueError(
+                    f"grid='auto' with model_shape prices no pipeline stages (pipeline_size={pp}); pass "
+                    f"grid=(px, py, pz) whose product with data_parallel_size is {ranks}, or drop model_shape"
+                )
             options = options if options is not None else RuntimeOptions()
             machine = dataclasses.replace(machine or cost.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
             shape = cost.best_grid(
@@ -80,29 +95,37 @@ def resolve(
             )
             return shape, world // math.prod(shape)
         if dp == "auto":
-            cube = math.gcd(devices_per_node, world)
-        elif world % dp:
+            cube = math.gcd(devices_per_node, ranks)
+        elif ranks % dp:
             raise ValueError(
-                f"data_parallel_size={dp} does not divide the world size {world}; "
-                f"pick a divisor of {world} or launch a multiple of {dp} processes"
+                f"data_parallel_size={dp} does not divide {_stage_ranks(world, pp)}; "
+                f"pick a divisor of {ranks} or launch a multiple of {pp * dp} processes"
             )
         else:
-            cube = world // dp
-        return auto_shape(cube), world // cube
+            cube = ranks // dp
+        return auto_shape(cube), ranks // cube
     cube = math.prod(grid)
     if dp == "auto":
-        if world % cube:
+        if ranks % cube:
             raise ValueError(
-                f"the world size {world} is not divisible by px·py·pz = {cube} of grid {grid}; "
-                f"launch a multiple of {cube} processes or pick a grid whose product divides {world}"
+                f"{_stage_ranks(world, pp)} is not divisible by px·py·pz = {cube} of grid {grid}; "
+                f"launch a multiple of {pp * cube} processes or pick a grid whose product divides {ranks}"
             )
-        return grid, world // cube
-    if dp * cube != world:
+        return grid, ranks // cube
+    if pp * dp * cube != world:
+        names, sizes, knob = ("pipeline_size·", f"{pp}·", " / pipeline_size") if pp > 1 else ("", "", "")
         raise ValueError(
-            f"world size {world} != data_parallel_size·px·py·pz = {dp}·{cube} = {dp * cube} (grid {grid}); "
-            f"launch {dp * cube} processes or change grid / data_parallel_size"
+            f"world size {world} != {names}data_parallel_size·px·py·pz = {sizes}{dp}·{cube} = {pp * dp * cube} "
+            f"(grid {grid}); launch {pp * dp * cube} processes or change grid / data_parallel_size{knob}"
         )
     return grid, dp
+
+
+def _stage_ranks(world: int, pp: int) -> str:
+    """The ranks of one stage, as :func:`resolve`'s errors name them."""
+    if pp == 1:
+        return f"the world size {world}"
+    return f"the stage size {world // pp} (world size {world} / pipeline_size {pp})"
 
 
 def halves_gradients(ddp_comm_hook: Callable | None) -> bool:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import cost
+from .. import arguments, cost
 from ..cost import ModelShape
 from ..grid import Grid, init_grid, set_grid
 from ..options import RuntimeOptions
@@ -36,11 +36,14 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _grids: dict[tuple, Grid] = {}
 
 
-def _grid(shape: tuple[int, int, int], dp: int, device_type: str, timeout: datetime.timedelta) -> Grid:
-    """One grid per shape and world group: a second fit/validate (or Fabric) in the same processes reuses its groups."""
-    key = (shape, dp, device_type, timeout, id(dist.group.WORLD))
+def _grid(
+    shape: tuple[int, int, int], dp: int, pp: int, device_type: str, timeout: datetime.timedelta
+) -> Grid:
+    """One grid per shape, dp, pipeline size and world group: a second fit/validate (or Fabric) in the same
+    processes reuses its groups."""
+    key = (shape, dp, pp, device_type, timeout, id(dist.group.WORLD))
     if key not in _grids:
-        _grids[key] = init_grid(shape, dp, device_type=device_type, timeout=timeout)
+        _grids[key] = init_grid(shape, dp, pipeline_size=pp, device_type=device_type, timeout=timeout)
     return _grids[key]
 
 
@@ -90,6 +93,7 @@ class GridStrategy(GridData):
         self,
         grid: Literal["auto"] | tuple[int, int, int],
         data_parallel_size: Literal["auto"] | int,
+        pipeline_size: int,
         zero_stage: int,
         model_shape: ModelShape | None,
         options: RuntimeOptions | None,
@@ -103,6 +107,7 @@ class GridStrategy(GridData):
         bad one."""
         self._grid_arg = grid_rules.check_grid_arg(grid)
         self._dp_arg = grid_rules.check_dp_arg(data_parallel_size)
+        self.pipeline_size = arguments.positive_int(pipeline_size, "pipeline_size")
         self._model_shape = model_shape
         self._machine = machine
         if options is not None and not isinstance(options, RuntimeOptions):
@@ -134,6 +139,7 @@ class GridStrategy(GridData):
                 self.world_size,
                 self.num_processes,
                 self._model_shape,
+                pipeline_size=self.pipeline_size,
                 options=self.options,
                 machine=self._machine,
                 half_grads=grid_rules.halves_gradients(self.ddp_comm_hook),
@@ -151,11 +157,12 @@ class GridStrategy(GridData):
         """Build (or reuse) this world's grid and make it current; collective over the world, once the
         processes are up."""
         shape, dp = self._resolve_grid()
-        self._grid = _grid(shape, dp, self.root_device.type, self._timeout)
+        self._grid = _grid(shape, dp, self.pipeline_size, self.root_device.type, self._timeout)
         set_grid(self._grid)
         px, py, pz = shape
         self.info(
-            f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, zero_stage={self.zero_stage}, "
+            f"tensor3d: grid {px}×{py}×{pz}, data_parallel_size={dp}, pipeline_size={self.pipeline_size}, "
+            f"zero_stage={self.zero_stage}, "
             f"options: {_changed(self.options)}, across nodes: {'+'.join(self._grid.axes_across_nodes) or 'nothing'}"
         )
         return self._grid

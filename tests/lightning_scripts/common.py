@@ -28,8 +28,16 @@ CLIP = 0.3
 LR = 1e-2
 
 
-def config(dropout: float = 0.0) -> GPTConfig:
-    return GPTConfig(vocab_size=60, block_size=SEQ, n_layer=1, n_head=2, n_embd=16, dropout=dropout)
+def config(dropout: float = 0.0, n_layer: int = 1, tied: bool = True) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=60,
+        block_size=SEQ,
+        n_layer=n_layer,
+        n_head=2,
+        n_embd=16,
+        dropout=dropout,
+        tie_embeddings=tied,
+    )
 
 
 class Tokens(Dataset):
@@ -76,9 +84,16 @@ def module_class(namespace: str):
 
     class LitGPT(pl.LightningModule):
         """``workers > 0``: the training data is loaded by that many worker processes, which draw a random
-        number a sample."""
+        number a sample. ``pipeline``: the plain DenseGPT, untied, which the strategy splits into pipeline stages."""
 
-        def __init__(self, dropout: float = 0.0, workers: int = 0, global_batch: int = GLOBAL_BATCH):
+        def __init__(
+            self,
+            dropout: float = 0.0,
+            workers: int = 0,
+            global_batch: int = GLOBAL_BATCH,
+            n_layer: int = 1,
+            pipeline: bool = False,
+        ):
             super().__init__()
             self.save_hyperparameters()
             self.model = None
@@ -95,7 +110,9 @@ def module_class(namespace: str):
         def configure_model(self):
             if self.model is None:
                 torch.manual_seed(INIT_SEED)
-                self.model = GPT3D(config(self.hparams.dropout))
+                model = DenseGPT if self.hparams.pipeline else GPT3D
+                hp = self.hparams
+                self.model = model(config(hp.dropout, hp.n_layer, tied=not hp.pipeline))
 
         def train_dataloader(self):
             workers = self.hparams.workers
@@ -153,12 +170,16 @@ def fit(
     ckpt_dir=None,
     workers=0,
     global_batch=GLOBAL_BATCH,
+    n_layer=1,
+    pipeline=False,
+    accumulate=1,
 ):
-    """One ``Trainer.fit`` with a checkpoint at every epoch end under ``ckpt_dir`` (default ``out/name``); writes
-    ``out/name.rank<r>.json``.
+    """One ``Trainer.fit`` with a checkpoint at every epoch end under ``ckpt_dir`` (default ``out/name``; none with
+    ``pipeline``); writes ``out/name.rank<r>.json``.
 
     ``summary``: Lightning's model summary table, printed by rank 0. ``workers``: dataloader worker processes.
-    ``global_batch``: sequences a step over all replicas.
+    ``global_batch``: sequences a step over all replicas (a batch, with ``accumulate`` batches a step).
+    ``pipeline``: the LightningModule builds the plain DenseGPT of ``n_layer`` layers, which the strategy splits.
     """
     pl = importlib.import_module(namespace)
     save_every_epoch = importlib.import_module(f"{namespace}.callbacks").ModelCheckpoint(
@@ -175,15 +196,18 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=summary,
         default_root_dir=out,
-        callbacks=[save_every_epoch, *callbacks],
+        callbacks=[*([] if pipeline else [save_every_epoch]), *callbacks],
+        enable_checkpointing=not pipeline,
+        accumulate_grad_batches=accumulate,
     )
-    module = module_class(namespace)(dropout, workers, global_batch)
+    module = module_class(namespace)(dropout, workers, global_batch, n_layer, pipeline)
     trainer.fit(module, ckpt_path=ckpt_path)
     strategy = trainer.strategy
     record = {
         **module.record,
         "grid": list(strategy.grid.shape),
         "dp": strategy.grid.data_parallel_size,
+        "stage": strategy.grid.stage,
         "coords": list(strategy.grid.coords),
         "strategy": f"{type(strategy).__module__}.{type(strategy).__name__}",
         "global_step": trainer.global_step,
@@ -202,10 +226,12 @@ def validate_keeps_shards(trainer, module) -> dict:
     return {"kept_shards": kept, "val_loss": val_loss}
 
 
-def dense_reference(steps: int, dropout: float = 0.0, global_batch: int = GLOBAL_BATCH) -> dict:
+def dense_reference(
+    steps: int, dropout: float = 0.0, global_batch: int = GLOBAL_BATCH, n_layer: int = 1, tied: bool = True
+) -> dict:
     """Losses, pre-clip gradient norms and final state of DenseGPT on the same global batches."""
     torch.manual_seed(INIT_SEED)
-    model = DenseGPT(config(dropout))
+    model = DenseGPT(config(dropout, n_layer, tied))
     opt, sched = optimizers(model.parameters())
     data = Tokens()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)

@@ -1,0 +1,98 @@
+"""The Trainer strategy's pipeline stages (``pipeline_size > 1``): the LightningModule's model, split at
+setup, runs as a :class:`~lightning_3d.pipeline.PipelinedModel` (no Lightning import).
+
+What a LightningModule writes differently: ``configure_model`` builds the plain model (``DenseGPT``,
+a Hugging Face model: one with a pipeline split and a plan) in one attribute, ``self.model = ...``;
+it runs on ``meta`` (:func:`built_for_stages`), so no rank allocates the whole model. At setup the
+strategy puts this rank's stages in its place (:func:`into_stages`), under the same attribute and
+parameter names. ``training_step`` is unchanged: ``loss = self.model(ids, targets)`` runs the whole
+schedule for the batch (its micro-batches are the pipeline's) and returns the batch's mean loss on
+every rank, so ``self.log`` logs it as usual; Lightning's ``backward`` of the returned loss hands
+the schedule's gradients to the parameters (scaled by ``1 / accumulate_grad_batches``), DDP
+averages them over dp, and clipping (by the norm over every stage's cube) and the optimizer step
+follow as without stages. ``validation_step`` calls the model the same way: forward passes only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+from torch import nn
+
+from ..grid import Grid
+from ..options import RuntimeOptions
+from ..pipeline import PipelinedModel, PipelineOptions
+
+
+def checked_pipeline(pipeline: PipelineOptions | None, pipeline_size: int) -> PipelineOptions | None:
+    """The options the strategy runs its stages with: None with one stage, else ``pipeline`` or the defaults."""
+    if pipeline is not None and not isinstance(pipeline, PipelineOptions):
+        raise ValueError(
+            f"pipeline must be a lightning_3d.pipeline.PipelineOptions or None, got {pipeline!r}: "
+            'e.g. pipeline=PipelineOptions(schedule="GPipe", n_microbatches=8)'
+        )
+    if pipeline_size == 1:
+        if pipeline is not None:
+            raise ValueError(
+                "pipeline=PipelineOptions(...) needs pipeline stages: pass pipeline_size=2 (or more) with it"
+            )
+        return None
+    return pipeline if pipeline is not None else PipelineOptions()
+
+
+def built_for_stages(pipeline: PipelineOptions | None) -> contextlib.AbstractContextManager:
+    """Where ``configure_model`` builds: on ``meta`` with pipeline stages, else where it would."""
+    return torch.device("meta") if pipeline is not None else contextlib.nullcontext()
+
+
+def into_stages(
+    module: nn.Module,
+    grid: Grid,
+    pipeline: PipelineOptions,
+    precision: str,
+    options: RuntimeOptions | None,
+    device: torch.device,
+) -> None:
+    """Put this rank's stages of ``module``'s model in its place (nothing when they are there already).
+
+    Raises:
+        ValueError: a mixed ``precision``; ``module`` holding parameters outside one child module;
+            what :class:`~lightning_3d.pipeline.PipelinedModel` refuses.
+    """
+    if precision.endswith("-mixed"):
+        raise ValueError(
+            f"precision={precision!r} runs autocast around training_step, which would hold every micro-batch's "
+            f"backward of the pipeline schedule (pipeline_size={grid.pipeline_size}): not done yet; use "
+            "'bf16-true', '16-true', '32-true' or '64-true'"
+        )
+    holders = [n for n, m in module.named_children() if any(True for _ in m.parameters())]
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    if len(holders) != 1 or own:
+        raise ValueError(
+            f"with pipeline_size={grid.pipeline_size} the strategy splits the LightningModule's model into stages, "
+            f"so configure_model must build it in one attribute (self.model = DenseGPT(config)); "
+            f"{type(module).__name__} holds parameters in {holders + own or 'nothing'}"
+        )
+    name = holders[0]
+    model = getattr(module, name)
+    if not isinstance(model, PipelinedModel):
+        setattr(module, name, PipelinedModel(model, grid, pipeline, options=options, device=device))
+
+
+def refuse_checkpoints(pipeline_size: int, asked: bool) -> None:
+    """``ValueError`` when a checkpoint is ``asked`` for with pipeline stages: not written or read yet."""
+    if pipeline_size > 1 and asked:
+        raise ValueError(
+            f"sharded checkpoints of pipeline stages (pipeline_size={pipeline_size}) are not written or read yet: "
+            "pass Trainer(enable_checkpointing=False) and no ckpt_path"
+        )
+
+
+def drop_unsplit(module: nn.Module) -> None:
+    """Drop ``module``'s children that still hold ``meta`` tensors (setup failed before their split):
+    Lightning's teardown moves the module to the CPU, which a ``meta`` tensor cannot be."""
+    for name, child in list(module.named_children()):
+        if any(t.is_meta for t in itertools.chain(child.parameters(), child.buffers())):
+            setattr(module, name, None)
