@@ -108,3 +108,28 @@ def test_token_rows_counts_match_the_cost_model(tmp_path):
                     kind,
                 )
             assert 0.95 < r["saved_ratio"] < 1.3, (r["grid"], r["saved_ratio"])
+
+
+def test_token_rows_step_on_cpu(tmp_path):
+    """Both cases of the whole-step benchmark run, each in a process of its own, from the same weights:
+    token rows and whole sequences give the same losses."""
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "micro", "token_rows_step.py"),
+        "--cpu",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    with open(tmp_path / "token_rows_step.json") as f:
+        runs = {r["case"]: r for r in json.load(f)["runs"]}
+    assert runs["tokens"]["token_rows"] and not runs["sequences"]["token_rows"]
+    assert runs["tokens"]["losses"] == pytest.approx(runs["sequences"]["losses"], rel=1e-5)
