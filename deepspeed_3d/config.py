@@ -3,12 +3,15 @@
 .. code-block:: json
 
     {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-     "tensor3d": {"grid": [2, 2, 1], "options": {"async_tp": true}}}
+     "tensor3d": {"grid": [2, 2, 1], "pipeline_size": 1, "options": {"async_tp": true}}}
 
 ``options`` (optional): fields of the model's ``lightning_3d.RuntimeOptions`` that ``initialize`` sets
 on every 3-D layer (``lightning_3d.parallel.set_options``); the others stay as the model was built.
-Every rank of one cube sees the same micro-batch, so DeepSpeed's batch arithmetic runs over the
-data-parallel size ``dp = world / (px·py·pz)``, not over the world size.
+``pipeline_size`` (optional, default 1): the grid's pipeline stages (``lightning_3d.init_grid(...,
+pipeline_size=pp)``), with ZeRO stage 0 or 1 only, as DeepSpeed's pipeline engine allows; it sets
+the topology (the stages' groups, :class:`~deepspeed_3d.mpu.GridMPU`'s pipeline answers), not a
+DeepSpeed ``PipelineModule``. Every rank of one cube sees the same micro-batch, so DeepSpeed's batch
+arithmetic runs over the data-parallel size ``dp = world / (pp·px·py·pz)``, not over the world size.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from lightning_3d.grid import Grid
 from lightning_3d.options import RuntimeOptions
 
 SECTION = "tensor3d"
-_SECTION_KEYS = {"grid", "options"}
+_SECTION_KEYS = {"grid", "pipeline_size", "options"}
 
 
 def load_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
@@ -52,13 +55,34 @@ def grid_shape(config: dict[str, Any]) -> tuple[int, int, int] | None:
         return None
     if not isinstance(section, dict) or set(section) - _SECTION_KEYS or "grid" not in section:
         raise ValueError(
-            f'the "{SECTION}" section must be {{"grid": [px, py, pz]}} with an optional '
-            f'"options": {{<RuntimeOptions fields>}}, got {section!r}'
+            f'the "{SECTION}" section must be {{"grid": [px, py, pz]}} with an optional "pipeline_size": pp '
+            f'and "options": {{<RuntimeOptions fields>}}, got {section!r}'
         )
     try:
         return arguments.grid_shape(section["grid"])
     except ValueError as e:
         raise ValueError(f'"{SECTION}": {{"grid": [px, py, pz]}}: {e}') from None
+
+
+def pipeline_size(config: dict[str, Any]) -> int:
+    """The ``"tensor3d"`` section's ``"pipeline_size"`` (1 when absent), a positive int."""
+    try:
+        return arguments.positive_int((config.get(SECTION) or {}).get("pipeline_size", 1), "pipeline_size")
+    except ValueError as e:
+        raise ValueError(f'"{SECTION}": {{"pipeline_size": ...}}: {e}') from None
+
+
+def check_zero_stage(config: dict[str, Any], grid: Grid) -> None:
+    """Raise ``ValueError`` for ZeRO stage 2 or 3 on a grid of pipeline stages, which DeepSpeed's pipeline
+    engine refuses too (each stage's gradients reduce once after the schedule, where ZeRO-2/3 partition them
+    during every backward)."""
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    if grid.pipeline_size > 1 and stage >= 2:
+        raise ValueError(
+            f'"zero_optimization": {{"stage": {stage}}} on a grid of {grid.pipeline_size} pipeline stages: ZeRO-2 '
+            'and ZeRO-3 do not run with pipeline stages (DeepSpeed refuses them for pipelines too); set "stage": 1 '
+            f'or 0, or "{SECTION}": {{"pipeline_size": 1}}'
+        )
 
 
 def runtime_options(config: dict[str, Any]) -> dict[str, Any]:
@@ -99,16 +123,18 @@ def init_grid_from_config(config: dict[str, Any] | str | os.PathLike) -> Grid:
     grid, or when there is neither a section nor a current grid.
     """
     config = load_config(config)
-    shape = grid_shape(config)
+    shape, pp = grid_shape(config), pipeline_size(config)
     if not dist.is_initialized():
         deepspeed.init_distributed()
     current = current_grid()
     if current is not None:
-        if shape is not None and tuple(current.shape) != shape:
+        if shape is not None and (tuple(current.shape), current.pipeline_size) != (shape, pp):
             px, py, pz = current.shape
             raise ValueError(
-                f'the config asks for "{SECTION}": {{"grid": {list(shape)}}} but the current grid is {px}×{py}×{pz}; '
-                f'build the model on the grid of the config, or set "grid": {[px, py, pz]} (or drop the section)'
+                f'the config asks for "{SECTION}": {{"grid": {list(shape)}, "pipeline_size": {pp}}} but the current '
+                f"grid is {px}×{py}×{pz} in {current.pipeline_size} stage(s); build the model on the grid of the "
+                f'config, or set "grid": {[px, py, pz]}, "pipeline_size": {current.pipeline_size} '
+                "(or drop the section)"
             )
         return current
     if shape is None:
@@ -116,7 +142,7 @@ def init_grid_from_config(config: dict[str, Any] | str | os.PathLike) -> Grid:
             f'no grid: add "{SECTION}": {{"grid": [px, py, pz]}} to the DeepSpeed config '
             f"or call lightning_3d.init_grid((px, py, pz)) before building the model"
         )
-    return lightning_3d.init_grid(shape)
+    return lightning_3d.init_grid(shape, pipeline_size=pp)
 
 
 def check_batch_size(config: dict[str, Any], grid: Grid) -> None:
@@ -126,7 +152,11 @@ def check_batch_size(config: dict[str, Any], grid: Grid) -> None:
     micro = config.get("train_micro_batch_size_per_gpu")
     accumulation = config.get("gradient_accumulation_steps")
     px, py, pz = grid.shape
-    dp_note = f"dp = world {dp * grid.cube_size} / (px·py·pz = {px}·{py}·{pz}) = {dp}"
+    pp = grid.pipeline_size
+    stages = ("pp·", f"{pp}·") if pp > 1 else ("", "")
+    dp_note = (
+        f"dp = world {pp * dp * grid.cube_size} / ({stages[0]}px·py·pz = {stages[1]}{px}·{py}·{pz}) = {dp}"
+    )
     if total is None:
         if micro is None:
             raise ValueError("the DeepSpeed config needs train_batch_size or train_micro_batch_size_per_gpu")

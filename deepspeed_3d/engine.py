@@ -15,6 +15,7 @@ from .checkpoint import read_record, tag_dir
 from .config import (
     SECTION,
     check_batch_size,
+    check_zero_stage,
     init_grid_from_config,
     keep_torch_linear,
     load_config,
@@ -31,7 +32,9 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
 
     The grid is the current one (``lightning_3d.init_grid`` or :func:`init_grid_from_config`, the
     usual order, since the model's 3-D layers are built against it); the config's
-    ``"tensor3d": {"grid": [px, py, pz]}`` section must then agree or be absent. Without a current
+    ``"tensor3d": {"grid": [px, py, pz], "pipeline_size": pp}`` section must then agree or be absent.
+    With pipeline stages this sets up their topology only: DeepSpeed's ``PipelineModule`` and
+    pipeline engine are not used, so running a schedule over the stages is the caller's. Without a current
     grid the section builds it (the model must then be built on that grid already, so this suits
     models without 3-D layers). The section is removed before DeepSpeed sees the config.
 
@@ -52,9 +55,9 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
 
     Raises:
         ValueError: ``mpu`` passed, the section disagrees with the grid or its ``"options"`` are
-            not ``RuntimeOptions`` fields and values, the batch sizes do not satisfy
-            ``train_batch_size = micro × accumulation × dp``, or training in mixed precision
-            without ZeRO.
+            not ``RuntimeOptions`` fields and values, ZeRO-2/3 on a grid of pipeline stages, the batch
+            sizes do not satisfy ``train_batch_size = micro × accumulation × dp``, or training in mixed
+            precision without ZeRO.
     """
     if "mpu" in kwargs:
         raise ValueError("deepspeed_3d.initialize builds the mpu from the grid; do not pass mpu=")
@@ -64,6 +67,7 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     if options:
         set_options(model, **options)
     config.pop(SECTION, None)
+    check_zero_stage(config, grid)
     check_batch_size(config, grid)
     if (
         "optimizer" in config or kwargs.get("optimizer") is not None

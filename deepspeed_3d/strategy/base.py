@@ -40,7 +40,7 @@ from lightning_3d.strategy.replicas import GridReplicas
 from lightning_3d.strategy.resume import resume_point, skip_message
 from lightning_3d.strategy.summary import SummariseGlobally
 
-from ..config import SECTION, current_grid, grid_shape, init_grid_from_config
+from ..config import SECTION, current_grid, grid_shape, init_grid_from_config, pipeline_size
 from ..engine import check_checkpoint_grid, engine_record, initialize
 from ..sharding_record import RECORD_KEY
 
@@ -49,7 +49,8 @@ class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlob
     """DeepSpeed (ZeRO over dp) with 3-D tensor parallelism inside each replica.
 
     Takes every argument of Lightning's ``DeepSpeedStrategy``; the DeepSpeed config (dict or
-    JSON path) may carry ``"tensor3d": {"grid": [px, py, pz]}``.
+    JSON path) may carry ``"tensor3d": {"grid": [px, py, pz]}``; a ``"pipeline_size"`` above 1 is
+    refused (no schedule runs here: ``Tensor3DStrategy(pipeline_size=...)`` runs one).
 
     Args:
         grid: ``(px, py, pz)``; sets the config's ``"tensor3d"`` section (which must then
@@ -96,9 +97,17 @@ class Tensor3DDeepSpeedMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlob
     def set_world_ranks(self) -> None:
         """Also check the config's grid against the world: in the launching process, before any other starts."""
         super().set_world_ranks()
-        shape = grid_shape(self.config) if isinstance(self.config, dict) else None
-        if shape is not None:
-            with same_on_every_rank():
+        if not isinstance(self.config, dict):
+            return
+        shape = grid_shape(self.config)
+        with same_on_every_rank():
+            pp = pipeline_size(self.config)
+            if pp > 1:
+                raise ValueError(
+                    f'the config\'s "{SECTION}": {{"pipeline_size": {pp}}}: Tensor3DDeepSpeedStrategy runs no pipeline '
+                    f"schedule; use Tensor3DStrategy(pipeline_size={pp}, zero_stage=1), or drop pipeline_size"
+                )
+            if shape is not None:
                 grid_rules.resolve(shape, "auto", self.world_size, self.num_processes)
 
     def setup_environment(self) -> None:
