@@ -55,6 +55,18 @@ def test_two_stages_train_as_the_dense_twin(runs):
     assert max(dense["grad_norm"]) > common.CLIP, "clipping never acted: this test could not fail on it"
 
 
+def test_model_summary_counts_every_stage(runs):
+    """Rank 0 holds stage 0 only; Lightning's table states the whole model's size."""
+    from lightning.pytorch.utilities.model_summary import get_human_readable_count
+
+    total = sum(p.numel() for p in DenseGPT(common.config(n_layer=2, tied=False)).parameters())
+    log = (runs / "world4.log0").read_text()
+    stated = [line.split(":")[-1].strip() for line in log.splitlines() if "Total params" in line]
+    assert stated[:1] == [get_human_readable_count(total).strip()], (
+        f"summary: {stated}, the model has {total}"
+    )
+
+
 def test_validate_runs_through_the_pipeline(runs):
     """``trainer.validate`` after fit: the dense twin's loss on the same batches, every shard kept."""
     dense = DenseGPT(common.config(n_layer=2, tied=False))

@@ -46,6 +46,9 @@ class PipelinedModel(nn.Module):
         super().__init__()
         self.grid = resolve_grid(grid)
         self.pipeline = pipeline if pipeline is not None else PipelineOptions()
+        #: the whole model's parameters (all stages'), and its trainable ones
+        self.whole_parameters = sum(p.numel() for p in model.parameters())
+        self.whole_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.stages: list[Stage] = split_stages(
             model,
             self.grid,

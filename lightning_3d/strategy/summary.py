@@ -3,8 +3,8 @@
 Lightning's ``ModelSummary`` counts ``p.numel()``: on a grid, rank 0's shard. Here a parameter
 counts the dense shape its module declares (``dense_shapes``: a vocabulary padded for the grid
 counts its true rows), else the global shape of its :class:`~lightning_3d.sharding.ShardSpec`, and
-a plain parameter (replicated over the cube) its own size, so the table and its totals are the
-dense model's.
+a plain parameter (replicated over the cube) its own size, and pipeline stages the whole
+model's parameters, so the table and its totals are the dense model's.
 Both 3-D strategies put their summary callback in place of Lightning's (:class:`SummariseGlobally`).
 """
 
@@ -14,6 +14,7 @@ import math
 
 from torch import nn
 
+from ..pipeline import PipelinedModel
 from ..sharding import get_spec
 
 
@@ -40,11 +41,15 @@ def dense_numels(module: nn.Module) -> dict[int, int]:
 
 
 def global_count(module: nn.Module, dense: dict[int, int], trainable_only: bool = False) -> int:
-    """Parameters of ``module`` in the dense model (each shared parameter once); ``dense`` from :func:`dense_numels`."""
-    return sum(
+    """Parameters of ``module`` in the dense model (each shared parameter once); ``dense`` from :func:`dense_numels`.
+    A :class:`~lightning_3d.pipeline.PipelinedModel` counts the whole model's, every stage's."""
+    staged = [m for m in module.modules() if isinstance(m, PipelinedModel)]
+    held = {id(p) for m in staged for p in m.parameters()}
+    whole = sum(m.whole_trainable if trainable_only else m.whole_parameters for m in staged)
+    return whole + sum(
         dense.get(id(p), global_numel(p))
         for p in module.parameters()
-        if p.requires_grad or not trainable_only
+        if id(p) not in held and (p.requires_grad or not trainable_only)
     )
 
 

@@ -1,7 +1,8 @@
 """Driver: ``Trainer.fit`` with pipeline stages in one launched world of 4 (``python pipeline.py world4 OUT`` on
 each rank, as ``suite.py``); test_strategy_pipeline.py judges the records.
 
-- P: pp 2 × 2×1×1, 1F1B, two layers (one a stage), 2 epochs, then ``validate`` through the pipeline.
+- P: pp 2 × 2×1×1, 1F1B, two layers (one a stage), 2 epochs (model summary printed), then ``validate``
+  through the pipeline.
 - Q: pp 2 × 1×1×1 × dp 2 with ZeRO-1, Interleaved1F1B (four layers, two stages a rank), two
   micro-batches, batches of 4 sequences accumulated two to a step, 1 epoch.
 """
@@ -33,6 +34,7 @@ def main(out: Path) -> None:
         devices=4,
         n_layer=2,
         pipeline=True,
+        summary=True,
     )
     validated = common.validate_keeps_shards(trainer, module)
     (out / f"validate.rank{trainer.global_rank}.json").write_text(json.dumps(validated))
