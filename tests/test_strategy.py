@@ -23,6 +23,7 @@ import common
 import worlds
 from side_by_side import Finished, run_side_by_side
 
+from lightning_3d import RuntimeOptions
 from lightning_3d import checkpoint as ckpt
 from lightning_3d.models import DenseGPT
 from lightning_3d.strategy import grid_rules
@@ -82,8 +83,10 @@ def test_auto_grid_from_the_cost_model():
 
     assert grid_rules.resolve("auto", "auto", 4, 4, ModelShape(4096, 32, 2048, 8, 4)) == ((4, 1, 1), 1)
     assert grid_rules.resolve("auto", "auto", 4, 4, ModelShape(8192, 64, 2048, 4, 2)) == ((1, 4, 1), 1)
+    odd = ModelShape(4096, 32, 2048, 3, 4)  # 3 sequences on 4 ranks: token rows, or no grid at all
+    assert grid_rules.resolve("auto", "auto", 4, 4, odd)[1] == 1
     with pytest.raises(ValueError, match="no px·py·pz grid"):
-        grid_rules.resolve("auto", "auto", 4, 4, ModelShape(4096, 32, 2048, 3, 4))
+        grid_rules.resolve("auto", "auto", 4, 4, odd, options=RuntimeOptions(rows="sequences"))
 
 
 def _links(pairs_GBps: float | None, quads_GBps: float):
