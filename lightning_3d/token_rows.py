@@ -13,9 +13,12 @@ sequence (:mod:`~lightning_3d.ops.sequence_split`: equal causal work on every ra
 
 Everything but attention works token by token, so only attention and positions know: attention
 in the y-layout gathers the keys and values of the rank's sequences over the ``"xz"`` group
-(:func:`~lightning_3d.ops.split_attention.split_causal_attention`), and :meth:`TokenRows.positions`
-gives each local token its true position (RoPE, learned positions). Losses are means over tokens,
-so the order of the rows does not change them; targets are arranged like the ids.
+(:func:`~lightning_3d.ops.split_attention.split_causal_attention`; with a mask, e.g. padding or
+packed sequences, :meth:`TokenRows.attention_mask`, or attention dropout: one SDPA call over the
+gathered keys), and :meth:`TokenRows.positions` gives each local token its true position (RoPE,
+learned positions; :meth:`TokenRows.rows_of` cuts any per-token tensor, such as a caller's
+position ids, the same way). Losses are means over tokens, so the order of the rows does not
+change them; targets are arranged like the ids.
 
 :func:`choose_rows` is the one rule that picks whole sequences or token rows (whole sequences
 where the batch allows them: they need no communication in attention), unless
@@ -28,11 +31,12 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .arguments import choice
 from .grid import Grid
 from .ops.sequence_split import chunks_of
-from .ops.split_attention import split_causal_attention
+from .ops.split_attention import gather_sequence, split_causal_attention
 from .options import ROWS_CHOICES
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -117,29 +121,92 @@ class TokenRows:
         out = torch.empty_like(rows).index_copy_(0, self.order.to(rows.device), rows)
         return out.reshape(self.batch, self.seq_len, *rows.shape[2:])
 
+    def rows_of(self, t: torch.Tensor, layout: str) -> torch.Tensor:
+        """``[b, s, ...]`` → this rank's rows ``[rows, s/C, ...]`` in ``layout`` (``"z"`` or ``"y"``)."""
+        return self._block(self.arrange(t), layout)
+
     def positions(self, layout: str) -> torch.Tensor:
         """The true positions ``[rows, s/C]`` (int64) of this rank's rows in ``layout`` (``"z"`` or ``"y"``)."""
+        return self._block(self._positions, layout)
+
+    def _block(self, arranged: torch.Tensor, layout: str) -> torch.Tensor:
+        """This rank's row block in ``layout`` of arranged rows ``[b·C, s/C, ...]``."""
         axes = "xy" if layout == "z" else "xz"
-        parts = self.grid.size(axes)
         block = 0
         for a in axes:
             block = block * self.grid.size(a) + self.grid.coord(a)
-        return self._positions.chunk(parts)[block]
+        return arranged.chunk(self.grid.size(axes))[block]
 
     def rope(self, tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables ``[≥ s, n]`` → each y-layout row's own ``[rows, s/C, n]`` (attention's layout)."""
         positions = self.positions("y").to(tables[0].device)
         return tuple(t[positions] for t in tables)
 
+    def attention_mask(
+        self, keys: torch.Tensor | None = None, segments: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The causal mask ``[b, 1, s/R, s]`` (bool, True: attends) of this rank's y-layout rows, in
+        SDPA's form: the ``s/R`` query tokens each sequence has here (``R = px·pz``), in their local
+        order, against the sequence's ``s`` keys in token order. ``keys`` ``[b, s]`` (bool) drops the
+        keys that are False (padding); ``segments`` ``[b, s]`` keeps each query to the keys of its own
+        segment (sequences packed in one row)."""
+        queries = self.positions("y").reshape(self.batch, -1)  # [b, s/R]: each local query's index
+        allowed = torch.arange(self.seq_len, device=queries.device) <= queries[..., None]
+        if keys is not None:
+            allowed = allowed & keys.bool()[:, None]
+        if segments is not None:
+            allowed = allowed & (segments.gather(1, queries)[..., None] == segments[:, None])
+        return allowed[:, None]
+
     @torch.compiler.disable  # collectives and the fused kernels' own autograd: run as they run eagerly
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        scale: float | None = None,
+        dropout: float = 0.0,
+    ) -> torch.Tensor:
         """Causal attention of this rank's y-layout rows: ``q`` ``[rows, s/C, heads, d]``, ``k, v``
         ``[rows, s/C, kv_heads, d]`` → ``[rows, s/C, heads·d]``, keys and values of each whole sequence
-        gathered over the ``"xz"`` group."""
+        gathered over the ``"xz"`` group.
+
+        ``scale``: the scores' factor (default ``d^-0.5``). With a ``mask``
+        (:meth:`attention_mask`) or ``dropout`` (the probability of dropping an attention weight), one
+        SDPA call over the gathered keys and values (its mask of this rank's queries, ``s/R × s`` per
+        sequence, in memory); without either, the zig-zag kernels
+        (:func:`~lightning_3d.ops.split_attention.split_causal_attention`), which build no mask.
+        """
         rows, length = q.shape[:2]
 
         def per_sequence(t):  # [b·2m, L', ...] → [b, 2m·L', ...]: chunks r and 2R-1-r of each sequence
             return t.reshape(self.batch, (rows // self.batch) * length, *t.shape[2:])
 
-        out = split_causal_attention(per_sequence(q), per_sequence(k), per_sequence(v), self.grid.group("xz"))
+        q, k, v = per_sequence(q), per_sequence(k), per_sequence(v)
+        group = self.grid.group("xz")
+        if mask is None and not dropout:
+            out = split_causal_attention(q, k, v, group, scale)
+        else:
+            keys, values = gather_sequence(torch.stack([k, v]), group, dim=2).transpose(2, 3)  # [b, kv, s, d]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                keys,
+                values,
+                attn_mask=self.attention_mask() if mask is None else mask,
+                dropout_p=dropout,
+                scale=scale,
+                enable_gqa=q.shape[2] != k.shape[2],
+            ).transpose(1, 2)
         return out.reshape(rows, length, -1)
+
+
+def cached_token_rows(owner: object, batch: int, seq_len: int, grid: Grid, device: torch.device) -> TokenRows:
+    """The :class:`TokenRows` of a ``[batch, seq_len]`` input on ``grid`` and ``device``, made once and kept
+    on ``owner`` (a model): compiled blocks see one object per input shape."""
+    made = owner.__dict__.setdefault("_token_rows", {})
+    key = (batch, seq_len, str(device), id(grid))
+    if key not in made:
+        made[key] = TokenRows(batch, seq_len, grid, device)
+    return made[key]

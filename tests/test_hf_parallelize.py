@@ -72,21 +72,19 @@ def llama(tied: bool, **kw):
 def gpt2(tied: bool = True, **kw):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(
+    sizes = dict(
         vocab_size=V,
         n_embd=16,
         n_layer=2,
         n_head=4,
         n_positions=16,
-        tie_word_embeddings=tied,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
-        **kw,
     )
-    return GPT2LMHeadModel(cfg)
+    return GPT2LMHeadModel(GPT2Config(**{**sizes, **kw}, tie_word_embeddings=tied))
 
 
 def mistral(**kw):
@@ -288,7 +286,11 @@ def refused(grid) -> dict:
             lambda m: m(inputs_embeds=torch.randn(B, S, 16, dtype=F64)),
             "not inputs_embeds",
         ),
-        "batch": (plain, lambda m: m(ids[:3]), "multiple of lcm(px·py, px·pz) = 2"),
+        "batch": (
+            plain,
+            lambda m: m(ids[:3, :7]),
+            "multiple of lcm(2·px·pz, px·py) = 2 (pad each sequence to 8 tokens",
+        ),
     }
     errs = {k: float(needle not in message(build, call)) for k, (build, call, needle) in expected.items()}
     untouched = llama(True)

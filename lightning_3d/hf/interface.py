@@ -1,30 +1,42 @@
 """The Hugging Face call interface of a parallelized causal LM: inputs laid out per rank, the 3-D loss.
 
-``model(input_ids, attention_mask=..., position_ids=..., labels=...)`` keeps working on the grid:
+``model(input_ids, attention_mask=..., position_ids=..., labels=...)`` keeps working on the grid,
+every tensor the full batch ``[b, s]`` on every cube rank, any ``b``. The rows of the activations
+are whole sequences where ``b`` is a multiple of ``lcm(px·py, px·pz)``, else token rows (chunks of
+sequences, :mod:`lightning_3d.token_rows`; :func:`~lightning_3d.token_rows.choose_rows` with the
+model's ``RuntimeOptions.rows``). A forward pre-hook on the model (:func:`lay_out_inputs`) lays
+the call out for this rank's rows:
 
-- ``input_ids`` and ``labels`` are the full batch ``[b, s]`` on every cube rank; the embedding
-  keeps its z-layout rows (block ``(i, j)``), the loss its y-layout rows (block ``(i, l)``).
-- Attention runs on y-layout rows, so a forward pre-hook on the model turns a padding mask (or
-  per-sequence position ids) into the 4-D mask of this rank's y rows, built by transformers'
-  own ``create_causal_mask`` for the configured attention implementation (padding and packed
-  sequences included); the model passes a 4-D mask through unchanged. Without either, the model
-  builds none (causal SDPA).
-- Per-sequence ``position_ids`` ``[b, s]`` are cut to the rows they are used on: the y rows for
-  RoPE (Llama), the z rows for a position table added to the embedding (GPT-2). With them, the
-  4-D mask is always built here, so the model never reads them against its z-layout batch.
+- Whole sequences: the embedding keeps its z-layout rows (block ``(i, j)``), the loss its
+  y-layout rows (block ``(i, l)``). Attention runs on y-layout rows, so a padding mask or position
+  ids become the 4-D mask of this rank's y rows, built by transformers' own
+  ``create_causal_mask`` for the configured attention implementation (padding and packed
+  sequences included; lightning_3d's attention, :mod:`.attention`, gets the one ``"sdpa"``
+  builds); the model passes a 4-D mask through unchanged. Without either, the model builds none
+  (causal SDPA). Per-sequence ``position_ids`` are cut to the rows they are used on: the y rows
+  for RoPE (Llama), the z rows for a position table added to the embedding (GPT-2).
+- Token rows: ``input_ids`` become the rows ``[b·C, s/C]`` (:meth:`TokenRows.arrange`), the
+  position ids (``0 … s-1``, or the caller's, packed sequences included) this rank's rows of
+  them in the layout they are used in, the padding mask (zeros anywhere) or the packed
+  sequences that position ids mark the rows' own mask (:meth:`TokenRows.attention_mask`), and
+  the labels, shifted first (position ``t`` predicts label ``t+1`` wherever that token lives),
+  arranged as ``shift_labels``; the attention (:mod:`.attention`) is handed ``token_rows``.
 - ``labels`` give the model's loss through :func:`causal_lm_loss_3d`: transformers' label shift,
   ``-100`` ignored, the vocabulary-parallel cross-entropy; the same scalar on every cube rank.
-- ``logits`` in the output are this rank's y-layout block ``[b/(px·pz), s, V'/py]`` (hidden
-  states and attentions, when asked for, are this rank's blocks too).
+- ``logits`` in the output are this rank's y-layout block: ``[b/(px·pz), s, V'/py]`` on whole
+  sequences, ``[b·C/(px·pz), s/C, V'/py]`` on token rows (``TokenRows(b, s, grid).restore`` of the
+  gathered rows gives ``[b, s, V']``). Hidden states and attentions, when asked for, are this
+  rank's blocks too.
 
 Refused with a ``ValueError``: ``inputs_embeds``, a KV cache (``cache``/``past_key_values``,
-``use_cache=True``); ``use_cache`` left unset is passed as False (the config is not changed).
+``use_cache=True``); ``use_cache`` left unset is passed as False (the config is not changed). On
+token rows, also a 4-D ``attention_mask`` and a model whose attention is not lightning_3d's (one
+parallelized with ``"eager"`` attention, or set to another implementation since).
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +44,10 @@ from torch import nn
 
 from ..agreement import agree_on_first_call
 from ..grid import Grid
+from ..layout import Layout
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
 from ..runtime import Runtime
+from ..token_rows import cached_token_rows, choose_rows, sequence_multiple
 
 CACHE_ARGS = ("cache", "past_key_values")
 
@@ -47,18 +61,6 @@ def row_block(grid: Grid, row_axes: str, batch: int) -> slice:
 
 def _per_sequence(position_ids: torch.Tensor | None) -> bool:
     return position_ids is not None and position_ids.dim() == 2 and position_ids.shape[0] > 1
-
-
-def _check_batch(input_ids: torch.Tensor, grid: Grid) -> None:
-    px, py, pz = grid.shape
-    multiple = math.lcm(px * py, px * pz)
-    if input_ids.dim() != 2 or input_ids.shape[0] % multiple:
-        raise ValueError(
-            f"input_ids {list(input_ids.shape)}: the parallelized model takes the full batch [b, s] on every "
-            f"cube rank, with b a multiple of lcm(px·py, px·pz) = {multiple} on grid {grid.shape} (Hugging Face "
-            f"models run on whole-sequence rows only; with grid='auto' pass options=RuntimeOptions(rows='sequences') "
-            f"so that the cost model picks a grid they split on)"
-        )
 
 
 def _check_same_batch(name: str, t: torch.Tensor | None, input_ids: torch.Tensor, dims: int) -> None:
@@ -96,12 +98,12 @@ def attention_rows_mask(
 
 
 def lay_out_inputs(
-    model: nn.Module, grid: Grid, args: tuple, kwargs: dict, *, position_rows: str
+    model: nn.Module, grid: Grid, args: tuple, kwargs: dict, *, positions_layout: str
 ) -> tuple[tuple, dict]:
-    """A plan's ``before_forward``: check the call, lay its mask and position ids out for this rank.
+    """A plan's ``before_forward``: check the call, lay it out for this rank's rows.
 
-    ``position_rows``: the rows the model's position ids are used on, ``"xz"`` (y-layout: RoPE in
-    attention) or ``"xy"`` (z-layout: a position table added to the embedding).
+    ``positions_layout``: the layout whose rows the model's position ids are used on, ``"y"``
+    (RoPE in attention) or ``"z"`` (a position table added to the embedding).
     """
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     call = dict(bound.arguments)
@@ -120,18 +122,65 @@ def lay_out_inputs(
     agree_on_first_call(
         model, grid.group("cube"), "parallelized model input", input_ids=input_ids, labels=call.get("labels")
     )
-    _check_batch(input_ids, grid)
+    if input_ids.dim() != 2:
+        raise ValueError(
+            f"input_ids {list(input_ids.shape)}: the parallelized model takes the full batch [b, s] on every cube rank"
+        )
     mask, positions = call.get("attention_mask"), call.get("position_ids")
     for name, t, dims in (("attention_mask", mask, 2), ("labels", call.get("labels"), 2)):
         _check_same_batch(name, t, input_ids, dims)
     if positions is not None and positions.shape[0] != 1:
         _check_same_batch("position_ids", positions, input_ids, 2)
-    if mask is not None or _per_sequence(positions):
+    b, s = input_ids.shape
+    if choose_rows(b, s, grid, model.get_input_embeddings().options.rows) == "tokens":
+        _lay_out_token_rows(model, grid, call, positions_layout)
+        return (), call
+    if mask is not None or positions is not None:
         dtype = model.get_input_embeddings().weight.dtype
         call["attention_mask"] = attention_rows_mask(model, grid, input_ids, mask, positions, dtype)
     if _per_sequence(positions):
-        call["position_ids"] = positions[row_block(grid, position_rows, positions.shape[0])]
+        rows = "x" + Layout(positions_layout).row_axis
+        call["position_ids"] = positions[row_block(grid, rows, positions.shape[0])]
     return (), call
+
+
+def _lay_out_token_rows(model: nn.Module, grid: Grid, call: dict, positions_layout: str) -> None:
+    """The call on token rows (see the module's docstring), in place."""
+    from .attention import NAME
+    from .causal_mask import packed_segments
+
+    input_ids, mask, positions = call["input_ids"], call.get("attention_mask"), call.get("position_ids")
+    b, s = input_ids.shape
+    implementation = model.config._attn_implementation
+    if implementation != NAME:
+        raise ValueError(
+            f"{type(model).__name__} runs attention {implementation!r}: token rows (a batch of {b} on grid "
+            f"{grid.shape}) need lightning_3d's, which parallelize installs in a model that runs 'sdpa' "
+            f"(model.set_attn_implementation('sdpa') before parallelize), or whole-sequence rows: a batch that "
+            f"is a multiple of {sequence_multiple(grid)}"
+        )
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(
+            f"attention_mask {list(mask.shape)}: token rows (a batch of {b} on grid {grid.shape}) take a padding "
+            f"mask [b, s]; a 4-D mask needs whole-sequence rows: a batch that is a multiple of "
+            f"{sequence_multiple(grid)}"
+        )
+    rows = cached_token_rows(model, b, s, grid, input_ids.device)
+    full_positions = torch.arange(s, device=input_ids.device) if positions is None else positions
+    full_positions = full_positions.expand(b, s)
+    keys = None if mask is None or mask.all() else mask
+    segments = packed_segments(full_positions) if mask is None and positions is not None else None
+    call.update(
+        input_ids=rows.arrange(input_ids),
+        position_ids=rows.rows_of(full_positions, positions_layout),
+        attention_mask=None if keys is None and segments is None else rows.attention_mask(keys, segments),
+        token_rows=rows,
+    )
+    labels, shift_labels = call.get("labels"), call.get("shift_labels")
+    if shift_labels is None and labels is not None:
+        shift_labels = shifted(labels)
+    if shift_labels is not None:
+        call["shift_labels"] = rows.arrange(shift_labels)
 
 
 def attention_input_as_y_batch(
@@ -160,6 +209,11 @@ def projection_input_as_z(projection: nn.Module, args: tuple) -> tuple:
     return (x.reshape(-1, x.shape[1], projection.in_features // projection.grid.size("z")),)
 
 
+def shifted(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """transformers' label shift, ``[b, s]`` → ``[b, s]``: position ``t`` predicts label ``t+1``, the last none."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
 def causal_lm_loss_3d(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -181,7 +235,7 @@ def causal_lm_loss_3d(
     without); its options' ``compile`` runs the local passes over the logits through ``torch.compile``.
     """
     if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = shifted(labels, ignore_index)
     loss = vocab_parallel_cross_entropy(
         logits,
         shift_labels.to(logits.device),

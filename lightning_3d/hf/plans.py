@@ -13,8 +13,10 @@ the grid before anything changes; its ``prepare``, run once the modules are repl
 the Hugging Face code reads per rank: GPT-2's ``split_size`` and ``num_heads``; Llama's attention
 input as a y-batch view (a pre-hook on each attention,
 :func:`~lightning_3d.hf.interface.attention_input_as_y_batch`); the model's ``loss_function``
-(:func:`~lightning_3d.hf.interface.causal_lm_loss_3d`). The plan's ``before_forward`` lays each call out
-(:func:`~lightning_3d.hf.interface.lay_out_inputs`).
+(:func:`~lightning_3d.hf.interface.causal_lm_loss_3d`); its attention implementation, lightning_3d's
+in place of ``"sdpa"`` (:mod:`~lightning_3d.hf.attention`: transformers' SDPA on whole-sequence
+rows, split attention on token rows). The plan's ``before_forward`` lays each call out, on whole
+sequences or token rows (:func:`~lightning_3d.hf.interface.lay_out_inputs`).
 """
 
 from __future__ import annotations
@@ -83,10 +85,14 @@ def _check_common(model: nn.Module, grid: Grid, heads: int) -> None:
     )
 
 
-def _use_3d_loss(model: nn.Module, grid: Grid) -> None:
+def _use_3d_loss_and_attention(model: nn.Module, grid: Grid) -> None:
     """The model's loss is the 3-D one, run by the model's runtime: its label checks read as the
-    model's forward ends, its local passes compiled while the options say ``compile``."""
+    model's forward ends, its local passes compiled while the options say ``compile``. Its attention
+    is lightning_3d's where it runs ``"sdpa"`` (:mod:`~lightning_3d.hf.attention`: token rows)."""
+    from .attention import install
+
     model.loss_function = functools.partial(causal_lm_loss_3d, grid=grid, runtime=runtime_of(model))
+    install(model)
 
 
 def check_llama(model: nn.Module, grid: Grid) -> None:
@@ -118,12 +124,12 @@ def check_llama(model: nn.Module, grid: Grid) -> None:
 
 
 def prepare_llama(model: nn.Module, grid: Grid) -> None:
-    """Hand each attention its input as a y-batch view, and use the 3-D loss."""
+    """Hand each attention its input as a y-batch view; the 3-D loss and lightning_3d's attention."""
     for layer in model.model.layers:
         layer.self_attn.register_forward_pre_hook(
             functools.partial(attention_input_as_y_batch, grid=grid), with_kwargs=True
         )
-    _use_3d_loss(model, grid)
+    _use_3d_loss_and_attention(model, grid)
 
 
 def check_gpt2(model: nn.Module, grid: Grid) -> None:
@@ -139,12 +145,12 @@ def check_gpt2(model: nn.Module, grid: Grid) -> None:
 
 
 def prepare_gpt2(model: nn.Module, grid: Grid) -> None:
-    """Set each attention's per-rank sizes, and use the 3-D loss."""
+    """Set each attention's per-rank sizes; the 3-D loss and lightning_3d's attention."""
     py = grid.size("y")
     for block in model.transformer.h:
         block.attn.split_size //= py  # the width of q, k and v in c_attn's y-layout output block
         block.attn.num_heads //= py
-    _use_3d_loss(model, grid)
+    _use_3d_loss_and_attention(model, grid)
 
 
 def llama_plan(model: nn.Module) -> Plan:
@@ -167,7 +173,7 @@ def llama_plan(model: nn.Module) -> Plan:
         checkpoint=("model.layers.*",),
         validate=check_llama,
         prepare=prepare_llama,
-        before_forward=functools.partial(lay_out_inputs, position_rows="xz"),
+        before_forward=functools.partial(lay_out_inputs, positions_layout="y"),
     )
 
 
@@ -195,7 +201,7 @@ def gpt2_plan(model: nn.Module) -> Plan:
         checkpoint=("transformer.h.*",),
         validate=check_gpt2,
         prepare=prepare_gpt2,
-        before_forward=functools.partial(lay_out_inputs, position_rows="xy"),
+        before_forward=functools.partial(lay_out_inputs, positions_layout="z"),
     )
 
 

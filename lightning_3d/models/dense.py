@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..ops.packed_elementwise import packed_rope, packed_swiglu
-from ..token_rows import Attend, TokenRows, choose_rows
+from ..token_rows import Attend, TokenRows, cached_token_rows, choose_rows
 from .attention import apply_rope, causal_attention, rope_tables
 from .config import GPTConfig
 from .init import init_dense_tensor_
@@ -237,16 +237,7 @@ class DenseGPT(nn.Module):
         grid = getattr(embedding, "grid", None)  # a 3-D layer's, once the model is parallelized
         if grid is None or choose_rows(batch, seq_len, grid, embedding.options.rows) == "sequences":
             return None
-        key = (
-            batch,
-            seq_len,
-            str(device),
-            id(grid),
-        )  # one object per input shape: compiled blocks take it as it is
-        made = self.__dict__.setdefault("_token_rows", {})
-        if key not in made:
-            made[key] = TokenRows(batch, seq_len, grid, device)
-        return made[key]
+        return cached_token_rows(self, batch, seq_len, grid, device)
 
     def generate(
         self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
