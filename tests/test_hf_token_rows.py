@@ -7,8 +7,9 @@ float64, with labels; plain calls at sequence lengths 8 and 40, a padding mask (
 packed sequences marked by position ids that restart (transformers' ``"sdpa"`` keeps each packed sequence
 to itself). Logits, loss and every parameter's gradient equal the reference's, as in
 ``tests/test_hf_parallelize.py`` (RMSNorms in float64; the loss the float64 cross-entropy of the reference
-logits with transformers' shift; transformers' own float32 loss to 1e-6). A world of 2 refuses what token
-rows do not take, and runs GPT-2's decoder layers recomputed and compiled on token rows to the same numbers.
+logits with transformers' shift; transformers' own float32 loss to 1e-6). A world of 2 (2×1×1) runs Mistral
+and Qwen2 alike, refuses what token rows do not take, and runs GPT-2's decoder layers recomputed and
+compiled on token rows to the same numbers.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from test_hf_parallelize import (
     float64_reference,
     gpt2,
     llama,
+    mistral,
     perturbed,
+    qwen2,
     shifted_loss,
 )
 
@@ -35,7 +38,10 @@ GRIDS = [(2, 1, 1), (1, 2, 2), (2, 2, 2)]  # in a world of 8: dp 4, 2, 1
 MODELS = {
     "llama": lambda: llama(False, pad_token_id=PAD, max_position_embeddings=64),
     "gpt2": lambda: gpt2(n_positions=64),
+    "mistral": lambda: mistral(sliding_window=None),
+    "qwen2": qwen2,
 }
+SWEPT = ("llama", "gpt2")
 
 
 def packed_positions(lengths: list[int]) -> torch.Tensor:
@@ -79,14 +85,14 @@ def grads_as_dense(model) -> dict:
     return grads
 
 
-def equivalence(grid, name: str) -> dict:
+def equivalence(grid, name: str, cases=tuple(CASES)) -> dict:
     """Each case's logits, loss and gradients on one parallelized model against the reference."""
     from lightning_3d.parallel import parallelize
 
     ref = float64_reference(perturbed(MODELS[name], 1))
     model = parallelize(perturbed(MODELS[name], 1), grid=grid)
     errs = {}
-    for case in CASES:
+    for case in cases:
         call = call_of(grid, case)
         b, s = call["input_ids"].shape
         ref.zero_grad()
@@ -113,7 +119,7 @@ def equivalence(grid, name: str) -> dict:
 
 
 def equivalence_job(grid) -> dict:
-    return {k: e for name in MODELS for k, e in equivalence(grid, name).items()}
+    return {k: e for name in SWEPT for k, e in equivalence(grid, name).items()}
 
 
 def test_hf_models_on_token_rows_equal_dense():
@@ -183,9 +189,19 @@ def recomputed_and_compiled(grid) -> dict:
     return errs
 
 
-def refusals_and_compiled_job(grid) -> dict:
-    return {**{f"refused_{k}": e for k, e in refused(grid).items()}, **recomputed_and_compiled(grid)}
+def llama_like_refusals_and_compiled_job(grid) -> dict:
+    return {
+        **{
+            k: e
+            for name in ("mistral", "qwen2")
+            for k, e in equivalence(grid, name, ("b1", "padded")).items()
+        },
+        **{f"refused_{k}": e for k, e in refused(grid).items()},
+        **recomputed_and_compiled(grid),
+    }
 
 
-def test_refusals_and_compiled_layers_on_token_rows():
-    assert_within_tolerances(harness.run(2, on_grids, [(2, 1, 1)], refusals_and_compiled_job))
+def test_llama_like_refusals_and_compiled_layers_on_token_rows():
+    """Mistral and Qwen2 on Llama's plan take token rows too; what token rows do not take is refused; compiled
+    and recomputed layers give the same numbers."""
+    assert_within_tolerances(harness.run(2, on_grids, [(2, 1, 1)], llama_like_refusals_and_compiled_job))
