@@ -7,9 +7,15 @@ of them (grid ``"auto"``). It logs loss, validation loss and tokens/s (progress 
 ``OUT/logs``), writes a sharded checkpoint at every epoch end (``OUT/checkpoints``), continues
 from the newest one with ``--resume``, and ends by printing a generated sample.
 
+``--pipeline 2`` splits the model into two pipeline stages (on 8 CPU processes: two stages of 2×2×1):
+the LightningModule builds the plain ``DenseGPT`` (untied) and the strategy runs this rank's stages
+under ``--schedule``; ``training_step`` is the same. Checkpoints and the sample are left out there
+(checkpoints of pipeline stages are not written yet; the stages do not generate).
+
     python examples/train_gpt.py                      # CPU: 8 processes, a few minutes
     python examples/train_gpt.py --resume --max-steps 300
     python -m lightning_3d.checkpoint to-dense OUT/checkpoints/<ckpt> dense.safetensors
+    python examples/train_gpt.py --pipeline 2         # CPU: pp 2 × 2×2×1
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from lightning_3d import (
     Tensor3DStrategy,  # the class of whichever Lightning package is installed
 )
 from lightning_3d.checkpoint import latest_complete
-from lightning_3d.models import GPT3D, GPTConfig
+from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
+from lightning_3d.pipeline import SCHEDULES, PipelineOptions
 
 try:
     import lightning.pytorch as pl
@@ -115,7 +122,8 @@ class StdlibText(pl.LightningDataModule):
 
 
 class ByteGPT(pl.LightningModule):
-    """GPT3D on bytes; the 3-D layers are built in ``configure_model`` on the strategy's grid."""
+    """GPT3D on bytes; the 3-D layers are built in ``configure_model`` on the strategy's grid. With
+    ``pipeline``: the plain, untied DenseGPT, which the strategy splits into its pipeline stages."""
 
     def __init__(
         self,
@@ -127,10 +135,11 @@ class ByteGPT(pl.LightningModule):
         lr: float,
         warmup: int,
         max_steps: int,
+        pipeline: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.model: GPT3D | None = None
+        self.model: torch.nn.Module | None = None
         self.untrained_val_loss: float | None = None
         self.val_losses: list[float] = []
         self._val_batch_losses: list[torch.Tensor] = []
@@ -145,8 +154,10 @@ class ByteGPT(pl.LightningModule):
                 n_head=hp.n_head,
                 n_embd=hp.n_embd,
                 dropout=hp.dropout,
+                tie_embeddings=not hp.pipeline,  # the embedding and the head live on different stages
             )
-            self.model = GPT3D(config, grid=self.grid)  # run-time choices: the strategy's options
+            # run-time choices: the strategy's options
+            self.model = DenseGPT(config) if hp.pipeline else GPT3D(config, grid=self.grid)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         return self.model(batch[:, :-1], batch[:, 1:])
@@ -295,6 +306,10 @@ def parse_args() -> argparse.Namespace:
         choices=(0, 1),
         help="1: optimizer state sharded over dp (ZeRO-1)",
     )
+    p.add_argument("--pipeline", type=int, default=1, help="pipeline stages (pp); the grid is each stage's")
+    p.add_argument(
+        "--schedule", default="1F1B", choices=SCHEDULES, help="the pipeline schedule, with --pipeline"
+    )
     p.add_argument(
         "--timeout", type=float, default=300, help="seconds a rank waits for a dead or stalled peer"
     )
@@ -312,6 +327,14 @@ def newest_checkpoint(folder: Path) -> Path:
     return found
 
 
+def _val_losses(model: ByteGPT) -> str:
+    """The validation losses of the run, the untrained one first."""
+    start = (
+        f"untrained {model.untrained_val_loss:.3f}" if model.untrained_val_loss is not None else "(resumed)"
+    )
+    return f"{start} -> " + " -> ".join(f"{v:.3f}" for v in model.val_losses)
+
+
 def main() -> None:
     args = parse_args()
     warnings.filterwarnings(
@@ -321,13 +344,25 @@ def main() -> None:
     out = Path(args.out)
     grid = args.grid if args.grid == "auto" else tuple(int(s) for s in args.grid.split(","))
     dp = args.data_parallel_size if args.data_parallel_size == "auto" else int(args.data_parallel_size)
+    staged = args.pipeline > 1
+    if staged and args.resume:
+        raise SystemExit(
+            "--resume: checkpoints of pipeline stages are not written yet, so --pipeline runs none"
+        )
     strategy = Tensor3DStrategy(
         grid=grid,
         data_parallel_size=dp,
+        pipeline_size=args.pipeline,
+        pipeline=PipelineOptions(schedule=args.schedule) if staged else None,
         zero_stage=args.zero_stage,
         timeout=args.timeout,
         options=RuntimeOptions(**run_options(args)),
     )
+    callbacks = [TokensPerSecond(args.batch_size * args.seq_len)]
+    if not staged:
+        callbacks.append(
+            ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1)
+        )
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=args.devices,
@@ -340,10 +375,8 @@ def main() -> None:
         gradient_clip_val=1.0,
         log_every_n_steps=5,  # max_steps alone ends a run
         logger=CSVLogger(out, name="logs"),
-        callbacks=[
-            ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
-            TokensPerSecond(args.batch_size * args.seq_len),
-        ],
+        enable_checkpointing=not staged,
+        callbacks=callbacks,
     )
     model = ByteGPT(
         args.n_layer,
@@ -354,10 +387,15 @@ def main() -> None:
         args.lr,
         args.warmup,
         args.max_steps,
+        staged,
     )
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
     ckpt_path = newest_checkpoint(out / "checkpoints") if args.resume else None
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    if staged:
+        if trainer.is_global_zero:
+            print(f"\nvalidation loss: {_val_losses(model)}")
+        return
 
     device = trainer.strategy.root_device
     model.model.to(device).eval()  # Lightning's teardown moved the module to the CPU
@@ -366,12 +404,7 @@ def main() -> None:
         prompt, args.sample_tokens, temperature=0.8, top_k=40
     )  # collective: every rank
     if trainer.is_global_zero:
-        start = (
-            f"untrained {model.untrained_val_loss:.3f}"
-            if model.untrained_val_loss is not None
-            else "(resumed)"
-        )
-        print(f"\nvalidation loss: {start} -> " + " -> ".join(f"{v:.3f}" for v in model.val_losses))
+        print(f"\nvalidation loss: {_val_losses(model)}")
         print(
             f"checkpoint: {trainer.checkpoint_callback.best_model_path or newest_checkpoint(out / 'checkpoints')}"
         )
