@@ -7,9 +7,9 @@ float64, with labels; plain calls at sequence lengths 8 and 40, a padding mask (
 packed sequences marked by position ids that restart (transformers' ``"sdpa"`` keeps each packed sequence
 to itself). Logits, loss and every parameter's gradient equal the reference's, as in
 ``tests/test_hf_parallelize.py`` (RMSNorms in float64; the loss the float64 cross-entropy of the reference
-logits with transformers' shift; transformers' own float32 loss to 1e-6). A world of 2 (2×1×1) runs Mistral
-and Qwen2 alike, refuses what token rows do not take, and runs GPT-2's decoder layers recomputed and
-compiled on token rows to the same numbers.
+logits with transformers' shift; transformers' own float32 loss to 1e-6). A world of 2 on 1×2×1 (py ≠ pz:
+Llama's attention sees its input as a y-batch view) runs Mistral and Qwen2 alike, refuses what token rows
+do not take, and runs GPT-2's decoder layers recomputed and compiled on token rows to the same numbers.
 """
 
 from __future__ import annotations
@@ -97,9 +97,8 @@ def equivalence(grid, name: str, cases=tuple(CASES)) -> dict:
         b, s = call["input_ids"].shape
         ref.zero_grad()
         model.zero_grad()
-        with torch.no_grad():  # transformers' loss, which it computes in float32
-            hf_loss = ref(**call, use_cache=False).loss
-        ref_logits = ref(**{k: v for k, v in call.items() if k != "labels"}, use_cache=False).logits
+        ref_out = ref(**call, use_cache=False)
+        hf_loss, ref_logits = ref_out.loss.detach(), ref_out.logits  # transformers' loss is float32's
         ref_loss = shifted_loss(ref_logits, call["labels"])
         ref_loss.backward()
         out = model(**call)
@@ -144,7 +143,7 @@ def refused(grid) -> dict:
     plain = parallelize(perturbed(MODELS["gpt2"], 3), grid=grid)
     sequences = parallelize(perturbed(MODELS["gpt2"], 3), grid=grid, options=RuntimeOptions(rows="sequences"))
     expected = {
-        "eager": (eager, {}, "runs attention 'eager': token rows (a batch of 1 on grid (2, 1, 1)) need"),
+        "eager": (eager, {}, "runs attention 'eager': token rows (a batch of 1 on grid (1, 2, 1)) need"),
         "mask_4d": (
             plain,
             {"attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool)},
@@ -161,7 +160,8 @@ def refused(grid) -> dict:
         for k, (model, call, needle) in expected.items()
     }
     with torch.no_grad():  # whole-sequence rows, as before
-        errs["eager_whole_sequences"] = float(eager(input_ids=ids.expand(2, 8)).logits.shape[:2] != (1, 8))
+        logits = eager(input_ids=ids.expand(2, 8)).logits
+        errs["eager_whole_sequences"] = float(logits.shape[:2] != (2 // grid.size("xz"), 8))
     return errs
 
 
@@ -204,4 +204,4 @@ def llama_like_refusals_and_compiled_job(grid) -> dict:
 def test_llama_like_refusals_and_compiled_layers_on_token_rows():
     """Mistral and Qwen2 on Llama's plan take token rows too; what token rows do not take is refused; compiled
     and recomputed layers give the same numbers."""
-    assert_within_tolerances(harness.run(2, on_grids, [(2, 1, 1)], llama_like_refusals_and_compiled_job))
+    assert_within_tolerances(harness.run(2, on_grids, [(1, 2, 1)], llama_like_refusals_and_compiled_job))
