@@ -177,7 +177,9 @@ class TokenRows:
         (:meth:`attention_mask`) or ``dropout`` (the probability of dropping an attention weight), one
         SDPA call over the gathered keys and values (its mask of this rank's queries, ``s/R × s`` per
         sequence, in memory); without either, the zig-zag kernels
-        (:func:`~lightning_3d.ops.split_attention.split_causal_attention`), which build no mask.
+        (:func:`~lightning_3d.ops.split_attention.split_causal_attention`), which build no mask, or,
+        where the group is one rank (``px·pz = 1``: the rank holds its sequences whole and in order),
+        one causal SDPA call.
         """
         rows, length = q.shape[:2]
 
@@ -186,7 +188,14 @@ class TokenRows:
 
         q, k, v = per_sequence(q), per_sequence(k), per_sequence(v)
         group = self.grid.group("xz")
-        if mask is None and not dropout:
+        if mask is None and not dropout and self.grid.size("xz") == 1:  # whole sequences here, in order
+            out = F.scaled_dot_product_attention(
+                *(t.transpose(1, 2) for t in (q, k, v)),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=q.shape[2] != k.shape[2],
+            ).transpose(1, 2)
+        elif mask is None and not dropout:
             out = split_causal_attention(q, k, v, group, scale)
         else:
             keys, values = gather_sequence(torch.stack([k, v]), group, dim=2).transpose(2, 3)  # [b, kv, s, d]
