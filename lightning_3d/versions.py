@@ -48,6 +48,24 @@ def unsupported(package: str, installed: str) -> str | None:
     )
 
 
+#: the lowest ``transformers`` on which Hugging Face models run on token rows (the lowest tested; 5.2 fails)
+HF_TOKEN_ROWS = "5.24"
+
+
+def hf_token_rows_unsupported(installed: str) -> str | None:
+    """Why Hugging Face models cannot run on token rows with ``transformers`` ``installed``, with the fixes;
+    None where they can."""
+    from packaging.version import Version
+
+    if Version(installed) >= Version(HF_TOKEN_ROWS):
+        return None
+    return (
+        f"transformers {installed} is installed; Hugging Face models run on token rows (a batch that whole-sequence "
+        f'rows do not split) with transformers>={HF_TOKEN_ROWS}: pip install "transformers>={HF_TOKEN_ROWS}", or pass '
+        "a batch that is a multiple of lcm(px·py, px·pz)"
+    )
+
+
 def require(package: str) -> None:
     """Raise ``ImportError`` naming the installed version, the supported range and the fix if ``package`` is too old."""
     why = unsupported(package, str(importlib.import_module(_MODULES[package]).__version__))
