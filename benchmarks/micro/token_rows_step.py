@@ -59,30 +59,12 @@ def run_case(args) -> dict:
     if not cpu:
         torch.cuda.set_device(0)
     seq, layers = args.seq or (64 if cpu else 32768), args.layers or (2 if cpu else 4)
-    if cpu:
-        config = GPTConfig(
-            vocab_size=128,
-            block_size=seq,
-            n_layer=layers,
-            n_head=4,
-            n_kv_head=2,
-            n_embd=64,
-            ffn_hidden=128,
-            style="llama",
-            tie_embeddings=False,
-        )
-    else:
-        config = GPTConfig(
-            vocab_size=32000,
-            block_size=seq,
-            n_layer=layers,
-            n_head=32,
-            n_kv_head=8,
-            n_embd=4096,
-            ffn_hidden=11008,
-            style="llama",
-            tie_embeddings=False,
-        )
+    sizes = (  # tiny on CPU; Llama-7B's width, heads and MLP on a GPU
+        dict(vocab_size=128, n_head=4, n_kv_head=2, n_embd=64, ffn_hidden=128)
+        if cpu
+        else dict(vocab_size=32000, n_head=32, n_kv_head=8, n_embd=4096, ffn_hidden=11008)
+    )
+    config = GPTConfig(block_size=seq, n_layer=layers, style="llama", tie_embeddings=False, **sizes)
     grid = init_grid((1, 1, 1), device_type=device.type)
     torch.manual_seed(0)
     model = GPT3D(config, grid, device=device, options=RuntimeOptions(rows=args.case, compile=not cpu))
