@@ -37,10 +37,10 @@ parallelized with ``"eager"`` attention, or set to another implementation since)
 from __future__ import annotations
 
 import inspect
+from importlib.metadata import version
 
 import torch
 import torch.nn.functional as F
-import transformers
 from torch import nn
 
 from ..agreement import agree_on_first_call
@@ -135,7 +135,7 @@ def lay_out_inputs(
         _check_same_batch("position_ids", positions, input_ids, 2)
     b, s = input_ids.shape
     if choose_rows(b, s, grid, model.get_input_embeddings().options.rows) == "tokens":
-        why = hf_token_rows_unsupported(transformers.__version__)
+        why = hf_token_rows_unsupported(version("transformers"))
         if why is not None:
             raise ValueError(why)
         _lay_out_token_rows(model, grid, call, positions_layout)
