@@ -46,7 +46,10 @@ def token_rows_job(grid):
     styles = ("gpt2", "llama") if grid.size("y") == 4 else ("gpt2", "gqa")  # gqa: 2 kv heads over py
     if grid.cube_size == 1:  # one rank takes any batch as whole sequences: force token rows
         return equivalence(grid, "gqa", 1, 16, RuntimeOptions(rows="tokens"))
-    return {k: e for style in styles for b, s in CASES for k, e in equivalence(grid, style, b, s).items()}
+    if grid.size("x") > 1:  # which style takes batch 1 alternates, so each style meets both batches
+        styles = styles[::-1]
+    # batch 1 in one style, batch 3 in the other: both batches on every grid, both styles on every grid class
+    return {k: e for style, (b, s) in zip(styles, CASES) for k, e in equivalence(grid, style, b, s).items()}
 
 
 def test_gpt3d_on_token_rows_equals_dense():
