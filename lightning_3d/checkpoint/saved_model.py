@@ -30,7 +30,8 @@ def dense_root(module: nn.Module) -> dict[str, Any]:
     That is the outermost submodule with a ``config`` attribute that holds every 3-D parameter
     (a LightningModule's ``self.model``: a GPT3D, a parallelized Hugging Face model), else
     ``module`` itself. ``config`` is the config as JSON-ready data (a dataclass's fields, or a
-    Hugging Face config's ``to_dict()``), or None.
+    Hugging Face config's ``to_dict()``), or None. A module that stands for another model (pipeline
+    stages: ``PipelinedModel``) names that model's class in ``whole_model_class``.
     """
     sharded = [name for name, p in module.named_parameters() if get_spec(p) is not None]
     for name, sub in module.named_modules():  # outermost first
@@ -39,7 +40,7 @@ def dense_root(module: nn.Module) -> dict[str, Any]:
         if config is not None and all(p.startswith(prefix) for p in sharded):
             return {
                 "prefix": prefix,
-                "model": type(sub).__name__,
+                "model": getattr(sub, "whole_model_class", type(sub).__name__),
                 "config_class": type(config).__name__,
                 "config": _plain(config),
             }

@@ -49,6 +49,10 @@ class PipelinedModel(nn.Module):
         #: the whole model's parameters (all stages'), and its trainable ones
         self.whole_parameters = sum(p.numel() for p in model.parameters())
         self.whole_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        #: the whole model's class name and config: a checkpoint's dense root records them
+        #: (:func:`~lightning_3d.checkpoint.dense_root`), as the unsplit model's own
+        self.whole_model_class = type(model).__name__
+        self.config = getattr(model, "config", None)
         self.stages: list[Stage] = split_stages(
             model,
             self.grid,
