@@ -20,7 +20,7 @@ MINIMUMS = {
     "pytorch-lightning": "2.6",
     "lightning-fabric": "2.6",
     "deepspeed": "0.16",
-    "transformers": "5.2",
+    "transformers": "5.3",
 }
 
 # distribution name → the module whose __version__ is the installed version
@@ -45,24 +45,6 @@ def unsupported(package: str, installed: str) -> str | None:
     return (
         f"{package} {installed} is installed; lightning-3d supports {package}>={minimum}: "
         f'pip install "{package}>={minimum}"'
-    )
-
-
-#: the lowest ``transformers`` on which Hugging Face models run on token rows (the lowest tested; 5.2 fails)
-HF_TOKEN_ROWS = "5.24"
-
-
-def hf_token_rows_unsupported(installed: str) -> str | None:
-    """Why Hugging Face models cannot run on token rows with ``transformers`` ``installed``, with the fixes;
-    None where they can."""
-    from packaging.version import Version
-
-    if Version(installed) >= Version(HF_TOKEN_ROWS):
-        return None
-    return (
-        f"transformers {installed} is installed; Hugging Face models run on token rows (a batch that whole-sequence "
-        f'rows do not split) with transformers>={HF_TOKEN_ROWS}: pip install "transformers>={HF_TOKEN_ROWS}", or pass '
-        "a batch that is a multiple of lcm(px·py, px·pz)"
     )
 
 

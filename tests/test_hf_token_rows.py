@@ -15,9 +15,7 @@ do not take, and runs GPT-2's decoder layers recomputed and compiled on token ro
 from __future__ import annotations
 
 import harness
-import pytest
 import torch
-import transformers
 from checks import on_grids, rel, seed_for
 from test_hf_parallelize import (
     COMPILES_FLOAT64_SDPA,
@@ -35,7 +33,6 @@ from test_hf_parallelize import (
 
 from lightning_3d.layout import gather_activation
 from lightning_3d.token_rows import TokenRows, chunks_per_sequence
-from lightning_3d.versions import HF_TOKEN_ROWS, hf_token_rows_unsupported
 
 GRIDS = [(2, 1, 1), (1, 2, 2), (2, 2, 2)]  # in a world of 8: dp 4, 2, 1
 MODELS = {
@@ -45,11 +42,6 @@ MODELS = {
     "qwen2": qwen2,
 }
 SWEPT = ("llama", "gpt2")
-
-pytestmark = pytest.mark.skipif(
-    hf_token_rows_unsupported(transformers.__version__) is not None,
-    reason=f"Hugging Face models run on token rows with transformers>={HF_TOKEN_ROWS}",
-)
 
 
 def packed_positions(lengths: list[int]) -> torch.Tensor:

@@ -95,11 +95,3 @@ def test_an_integration_refuses_an_older_library_where_it_is_entered(package):
     assert run.returncode == 1 and run.stderr.strip().endswith(
         f"ImportError: {unsupported(package, version)}"
     ), run.stderr[-2000:]
-
-
-def test_hf_token_rows_name_their_transformers_minimum():
-    from lightning_3d.versions import HF_TOKEN_ROWS, hf_token_rows_unsupported
-
-    assert hf_token_rows_unsupported(HF_TOKEN_ROWS) is None
-    why = hf_token_rows_unsupported("5.2.0")
-    assert f'pip install "transformers>={HF_TOKEN_ROWS}"' in why and "lcm(px·py, px·pz)" in why

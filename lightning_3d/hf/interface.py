@@ -37,7 +37,6 @@ parallelized with ``"eager"`` attention, or set to another implementation since)
 from __future__ import annotations
 
 import inspect
-from importlib.metadata import version
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +48,6 @@ from ..layout import Layout
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
 from ..runtime import Runtime
 from ..token_rows import cached_token_rows, choose_rows, sequence_multiple
-from ..versions import hf_token_rows_unsupported
 
 CACHE_ARGS = ("cache", "past_key_values")
 
@@ -135,9 +133,6 @@ def lay_out_inputs(
         _check_same_batch("position_ids", positions, input_ids, 2)
     b, s = input_ids.shape
     if choose_rows(b, s, grid, model.get_input_embeddings().options.rows) == "tokens":
-        why = hf_token_rows_unsupported(version("transformers"))
-        if why is not None:
-            raise ValueError(why)
         _lay_out_token_rows(model, grid, call, positions_layout)
         return (), call
     if mask is not None or positions is not None:
