@@ -8,7 +8,8 @@ the dense model's weights, and takes three AdamW steps on four micro-batches of 
 every parameter after them equal DenseGPT's on one process (each dp replica on its own batch).
 Each stage holds its parameters under the whole model's names, and a stage built on ``meta`` draws
 the same initial values as the whole model. Hugging Face's Llama (GQA) and GPT-2, untied, split
-into two stages of 2×1×1, train as the unmodified models do. The refusals name their numbers and fixes.
+into two stages of 2×1×1, train as the unmodified models do. A ``PipelinedModel``'s schedule runs its
+backward from the loss times an fp16 scaler's scale. The refusals name their numbers and fixes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from test_hf_parallelize import float64_reference, gpt2, llama, perturbed, shift
 from lightning_3d import destroy_grid, init_grid
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
 from lightning_3d.parallel import dense_state_dict, load_dense_state_dict
-from lightning_3d.pipeline import build_schedule, layer_ranges, split_stages
+from lightning_3d.pipeline import PipelinedModel, build_schedule, layer_ranges, split_stages
 
 V, B, S, STEPS = 50, 4, 8, 3
 F64 = torch.float64
@@ -173,6 +174,40 @@ def hf_job() -> dict:
 
 def test_hf_stages_train_as_the_model():
     _assert_small(harness.run(4, hf_job))
+
+
+def loss_scale_job() -> dict:
+    """With ``loss_scale``, the schedule's backward starts from the loss times the scale (a parameter's hook sees
+    its gradient so scaled inside the schedule), the loss comes back unscaled, and the backward of the scaled
+    loss hands on the gradients the scaler expects: the unscaled run's times the scale (0: exactly so)."""
+    grid = init_grid((1, 1, 1), pipeline_size=2, data_parallel_size=2)
+    torch.manual_seed(5)
+    model = PipelinedModel(DenseGPT(config("gpt2"), device="meta", dtype=F64), grid)
+    ids, targets = batch(grid, 6)
+    seen = []
+    next(model.parameters()).register_hook(lambda g: seen.append(g.clone()))
+    runs = {}
+    for scale in (1.0, 1024.0):
+        model.loss_scale = lambda scale=scale: scale
+        model.zero_grad(set_to_none=True)
+        seen.clear()
+        loss = model(ids, targets)
+        (loss * scale).backward()
+        runs[scale] = (loss.detach(), seen[0], [p.grad.clone() for p in model.parameters()])
+    (loss, inside, grads), (scaled_loss, scaled_inside, scaled_grads) = runs[1.0], runs[1024.0]
+    errs = {
+        "loss": float(not torch.equal(loss, scaled_loss)),
+        "inside_the_schedule": float(not torch.equal(1024 * inside, scaled_inside)),
+    }
+    errs.update(
+        {f"grad{k}": float(not torch.equal(1024 * a, b)) for k, (a, b) in enumerate(zip(grads, scaled_grads))}
+    )
+    destroy_grid(grid)
+    return errs
+
+
+def test_loss_scale_reaches_the_schedules_backward():
+    _assert_small(harness.run(4, loss_scale_job))
 
 
 def refusals_job() -> dict:

@@ -7,7 +7,10 @@ that reaches the loss (``loss / k``, a loss scale), through autograd, so that wh
 between the call and the backward (``optimizer.zero_grad()``, as Lightning's automatic optimization
 runs it) leaves them alone, accumulation adds them up, and DDP's hooks reduce them over dp as a
 plain model's. Under ``torch.no_grad``/``inference_mode`` the call runs the forward passes only
-(:meth:`Pipeline.evaluate`).
+(:meth:`Pipeline.evaluate`). Called under autocast (mixed precision), the schedule runs each stage's
+forward under it, one micro-batch at a time, and the backward passes outside it; with an fp16 loss
+scaler, ``loss_scale`` gives the factor its ``scale(loss)`` will multiply the loss by, and the
+schedule's backward starts from the loss so scaled (fp16 gradients keep their small values).
 
 The stages' modules are this module's children, merged into one tree: every parameter keeps its
 name in the whole model (``transformer.h.5.attn.c_attn.weight``), on whichever stage of this rank
@@ -15,6 +18,8 @@ holds it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,7 +36,8 @@ class PipelinedModel(nn.Module):
 
     ``model`` is consumed (:func:`~lightning_3d.pipeline.stages.split_stages`): a plain model,
     built on ``meta`` so that each rank materialises its own stages only. Collective over the
-    grid's cube when made, over the pipe group at each call.
+    grid's cube when made, over the pipe group at each call. ``loss_scale``: the factor the caller's
+    backward scales the loss by (an fp16 loss scaler's ``get_scale``, read at each call), or None.
     """
 
     def __init__(
@@ -42,9 +48,11 @@ class PipelinedModel(nn.Module):
         *,
         options: RuntimeOptions | None = None,
         device: torch.device | str | None = None,
+        loss_scale: Callable[[], float] | None = None,
     ):
         super().__init__()
         self.grid = resolve_grid(grid)
+        self.loss_scale = loss_scale
         self.pipeline = pipeline if pipeline is not None else PipelineOptions()
         #: the whole model's parameters (all stages'), and its trainable ones
         self.whole_parameters = sum(p.numel() for p in model.parameters())
@@ -79,11 +87,12 @@ class PipelinedModel(nn.Module):
         held = [p.grad for p in params]
         for p in params:
             p.grad = None
-        loss = schedule.step(ids, targets)
+        scale = float(self.loss_scale()) if self.loss_scale is not None else 1.0
+        loss = schedule.step(ids, targets, scale)
         grads = [p.grad for p in params]
         for p, grad in zip(params, held):
             p.grad = grad
-        return _StepGradients.apply(loss, grads, *params)
+        return _StepGradients.apply(loss, grads, scale, *params)
 
     def _schedule_for(self, batch_shape: tuple[int, int]) -> Pipeline:
         """The schedule for batches of ``batch_shape``, built anew when the shape changes (it binds the stages)."""
@@ -98,11 +107,14 @@ class PipelinedModel(nn.Module):
 
 
 class _StepGradients(torch.autograd.Function):
-    """The loss of a schedule step, whose backward hands the step's gradients to the parameters."""
+    """The loss of a schedule step, whose backward hands the step's gradients (computed times ``scale``)
+    to the parameters, times the gradient reaching the loss."""
 
     @staticmethod
-    def forward(ctx, loss: torch.Tensor, grads: list[torch.Tensor | None], *params: torch.Tensor):
-        ctx.grads = grads
+    def forward(
+        ctx, loss: torch.Tensor, grads: list[torch.Tensor | None], scale: float, *params: torch.Tensor
+    ):
+        ctx.grads, ctx.scale = grads, scale
         return loss.clone()
 
     @staticmethod
@@ -110,7 +122,8 @@ class _StepGradients(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         if grads is None:
             raise RuntimeError("a pipelined model's loss hands its gradients on once: backward ran twice")
-        return None, None, *(None if g is None else g.mul_(grad_loss) for g in grads)
+        factor = grad_loss / ctx.scale
+        return None, None, None, *(None if g is None else g.mul_(factor) for g in grads)
 
 
 def _merged(modules: list[nn.Module]) -> nn.Module:

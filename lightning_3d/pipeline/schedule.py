@@ -13,10 +13,16 @@ gradients (see :func:`_weights_with_inputs`), where those schedules would defer 
 The loss is the mean over the whole batch's counted targets, as the model's own forward computes
 it: micro-batch ``k`` contributes its mean times ``n_k / n`` (``n_k`` of its targets counted, ``n``
 of the batch's), and gradients are not scaled again. Each micro-batch must hold a counted target.
+
+A step called under autocast runs each stage's forward and the loss under it, per micro-batch, and
+the backward passes outside it (:class:`~lightning_3d.pipeline.stages.Autocast`). ``loss_scale``
+(an fp16 loss scaler's factor) multiplies the loss the backward passes start from, so that fp16
+gradients keep their small values; the gradients stay so scaled, the loss returned does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -26,7 +32,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from .. import arguments
 from .kinds import canonical_name, fixed_stages_per_rank, schedule_class, stage_indices, stage_owner
-from .stages import Stage
+from .stages import Autocast, Stage
 
 
 class Pipeline:
@@ -59,32 +65,49 @@ class Pipeline:
             torch_stages[0] if single else torch_stages, n_microbatches, loss_fn=self._loss, scale_grads=False
         )
 
-    def step(self, ids: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self, ids: torch.Tensor | None = None, targets: torch.Tensor | None = None, loss_scale: float = 1.0
+    ) -> torch.Tensor:
         """One forward and backward of the batch: ``ids`` ``[batch, seq_len]`` where this rank runs
         the first stage, ``targets`` ``[batch, seq_len]`` where it runs the last (the same on every
         cube rank; elsewhere they may be None). Gradients accumulate into each stage's ``.grad``, as a
-        ``backward`` does.
+        ``backward`` does, times ``loss_scale``.
 
-        Returns the batch's mean loss (detached, float64) on every rank: one broadcast over the
-        ``"pipe"`` group from the rank of the last stage.
+        Returns the batch's mean loss (detached, float64, not scaled) on every rank: one broadcast over
+        the ``"pipe"`` group from the rank of the last stage.
         """
-        return self._run(self.schedule.step, ids, targets)
+        return self._run(self.schedule.step, ids, targets, loss_scale)
 
     def evaluate(self, ids: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The batch's mean loss, as :meth:`step` returns it, from the forward passes only (no gradients)."""
         return self._run(self.schedule.eval, ids, targets)
 
-    def _run(self, run: Callable, ids: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        self, run: Callable, ids: torch.Tensor | None, targets: torch.Tensor | None, loss_scale: float = 1.0
+    ) -> torch.Tensor:
         args, kwargs, losses = (), {}, []
         if self.first is not None:
             args = (self._checked(ids, "ids"),)
         if self.last is not None:
             targets = self._checked(targets, "targets")
-            kwargs = {"target": targets, "losses": losses, "loss_kwargs": {"total": self._counted(targets)}}
-        run(*args, return_outputs=False, **kwargs)
+            total = self._counted(targets)
+            kwargs = {
+                "target": targets,
+                "losses": losses,
+                "loss_kwargs": {"total": total, "scale": loss_scale},
+            }
         device = self.stages[0].device
+        caller = Autocast.of_caller(device.type)
+        for stage in self.stages:
+            stage.autocast = caller
+        try:
+            with torch.autocast(device.type, enabled=False):
+                run(*args, return_outputs=False, **kwargs)
+        finally:
+            for stage in self.stages:
+                stage.autocast = None
         loss = (
-            torch.stack(losses).sum().detach().double()
+            torch.stack(losses).sum().detach().double() / loss_scale
             if losses
             else torch.zeros((), dtype=torch.float64, device=device)
         )
@@ -93,11 +116,13 @@ class Pipeline:
             dist.broadcast(loss, group=self.grid.group("pipe"), group_src=owner)
         return loss
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, *, total: int) -> torch.Tensor:
-        """A micro-batch's share of the batch's mean loss: its own mean times its counted targets / ``total``."""
-        split, mb = self.last.split, self.last.micro_batch
-        mean = split.loss(self.last.module, logits, targets, mb)
-        return mean * split.counted(targets).sum() / total
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, *, total: int, scale: float) -> torch.Tensor:
+        """A micro-batch's share of the batch's mean loss, times ``scale``: its own mean times its counted
+        targets / ``total``."""
+        split, last = self.last.split, self.last
+        with last.autocast() if last.autocast is not None else contextlib.nullcontext():
+            mean = split.loss(last.module, logits, targets, last.micro_batch)
+        return mean * split.counted(targets).sum() * scale / total
 
     def _checked(self, t: torch.Tensor | None, what: str) -> torch.Tensor:
         if t is None or tuple(t.shape) != tuple(self.batch_shape):

@@ -10,6 +10,10 @@ parallelized with the model's plan on the grid, whose cube groups are the stage'
 stage's module runs its part of the forward (:meth:`Stage.forward`) inside the hooks ``parallelize``
 adds; the plan's input and output hooks are left out, the stage's forward not being the model's.
 
+Under autocast (``bf16-mixed``, ``16-mixed``) a schedule enters it inside each stage's forward, per
+micro-batch (:class:`Autocast`), and runs the backward passes outside it; a stage hands on its
+hidden block in its parameters' dtype, the residual stream's dtype of the whole model.
+
 A model built on ``meta`` materialises only each stage's own modules. With a plan that initialises by
 name (``Plan.init``), a stage first draws and drops the values of the whole model's tensors before
 its own, so that the same seed gives each layer the value the whole model would give it.
@@ -55,11 +59,33 @@ class StageLayers(nn.Module):
         return len(self._modules)
 
 
+@dataclass(frozen=True)
+class Autocast:
+    """The autocast a schedule's caller runs under (``torch.autocast(device_type, dtype)``), entered
+    inside each stage's forward and the loss instead, one micro-batch at a time, so that the backward
+    passes the schedule runs between them run outside it, as a training step's backward does. Casts are
+    not cached: every micro-batch's backward runs through casts of its own."""
+
+    device_type: str
+    dtype: torch.dtype
+
+    @classmethod
+    def of_caller(cls, device_type: str) -> Autocast | None:
+        """The autocast on ``device_type`` around the caller, or None when it is off."""
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return cls(device_type, torch.get_autocast_dtype(device_type))
+
+    def __call__(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device_type, self.dtype, cache_enabled=False)
+
+
 @dataclass(eq=False)
 class Stage:
     """Stage ``index`` of ``num_stages``: ``module``, the model holding layers ``layers`` (and the
     embeddings on the first stage, the head on the last), parallelized on ``grid``. Calling
-    ``module`` runs :meth:`forward`, for micro-batches of the shape :meth:`bind` fixed."""
+    ``module`` runs :meth:`forward`, for micro-batches of the shape :meth:`bind` fixed, under
+    ``autocast`` when a schedule sets it."""
 
     module: nn.Module
     index: int
@@ -68,6 +94,7 @@ class Stage:
     split: StageSplit
     grid: Grid
     micro_batch: MicroBatch | None = None
+    autocast: Autocast | None = None
 
     @property
     def is_first(self) -> bool:
@@ -83,13 +110,16 @@ class Stage:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """ids ``[batch, seq_len]`` (first stage) or this rank's z-layout hidden block → the hidden
-        block for the next stage, or the y-layout logits (last stage)."""
+        block for the next stage (in :attr:`dtype`), or the y-layout logits (last stage)."""
         mb = self._bound()
-        if self.is_first:
-            agree_on_first_call(self.module, self.grid.group("cube"), "pipeline stage input", ids=x)
-            x = self.split.embed(self.module, x, mb)
-        x = self.split.blocks(self.module, x, mb)
-        return self.split.head(self.module, x, mb) if self.is_last else x
+        with self.autocast() if self.autocast is not None else contextlib.nullcontext():
+            if self.is_first:
+                agree_on_first_call(self.module, self.grid.group("cube"), "pipeline stage input", ids=x)
+                x = self.split.embed(self.module, x, mb)
+            x = self.split.blocks(self.module, x, mb)
+            if self.is_last:
+                return self.split.head(self.module, x, mb)
+        return x.to(self.dtype)
 
     def example_input(self) -> torch.Tensor:
         """A ``meta`` tensor shaped as what the stage receives (ids on the first stage)."""
@@ -108,11 +138,15 @@ class Stage:
     def device(self) -> torch.device:
         return next(itertools.chain(self.module.parameters(), self.module.buffers())).device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the stage's parameters, in which it receives and hands on hidden blocks."""
+        return next(p.dtype for p in self.module.parameters() if p.is_floating_point())
+
     def _block(self, layout: str, width: int) -> torch.Tensor:
         mb = self._bound()
         shape = Layout(layout).spec((mb.rows, mb.row_len, width)).local_shape(self.grid)
-        dtype = next(p.dtype for p in self.module.parameters() if p.is_floating_point())
-        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+        return torch.empty(shape, dtype=self.dtype, device="meta", requires_grad=True)
 
     def _bound(self) -> MicroBatch:
         if self.micro_batch is None:
