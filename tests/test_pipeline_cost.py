@@ -5,6 +5,7 @@ model's ``(pp − 1) / (m + pp − 1)``; the model's step, memory and hand-overs
 
 from __future__ import annotations
 
+import math
 import time
 
 import harness
@@ -91,13 +92,93 @@ LLAMA = cost.ModelShape(4096, 32, 2048, 16, 32, 11008, kv_heads=8, gated=True, v
 
 
 def test_predicted_step_follows_stages_and_bubble():
+    """The busiest rank's stage work over 1 − bubble, its share of what runs after the schedule, the hand-overs."""
     one = cost.predict_job(LLAMA, (2, 2, 2))
     two = cost.predict_pipeline(LLAMA, (2, 2, 2), 1, 2, 8, "1F1B")
-    half = cost.predict_job(cost.ModelShape(**{**LLAMA.__dict__, "layers": 16}), (2, 2, 2))
-    assert two.detail["stage_layers"] == 16 and two.detail["bubble_fraction"] == pytest.approx(1 / 9)
-    assert two.step_ms == pytest.approx(half.step_ms * 9 / 8 + two.detail["hand_over_ms"] * 2, rel=1e-6)
+    parts = cost.stage_costs(LLAMA, (2, 2, 2))
+    assert two.detail["stage_layers"] == [16, 16] and two.detail["bubble_fraction"] == pytest.approx(1 / 9)
+    assert two.detail["busiest_rank_stages"] == [1]  # the head outweighs the embedding
+    work = 16 * parts.layer_ms + parts.last_ms
+    after = one.step_ms - 32 * parts.layer_ms - parts.first_ms - parts.last_ms
+    share = (16 * LLAMA.block_weights + LLAMA.vocab * LLAMA.hidden) / LLAMA.params
+    expected = work * 9 / 8 + after * share + two.detail["hand_over_ms"] * 2
+    assert two.step_ms == pytest.approx(expected, rel=1e-9)
     assert two.step_ms < one.step_ms  # twice the GPUs
     gpipe = cost.predict_pipeline(LLAMA, (2, 2, 2), 1, 2, 8, "GPipe")
     assert gpipe.memory_GiB > two.memory_GiB  # all eight micro-batches' activations in flight, not two
-    assert cost.stage_layers(10, 4) == [3, 3, 2, 2]
     assert cost.hand_over_bytes(LLAMA, (2, 2, 2), 1, 2) == 2 * 16 * 2048 * 4096 / 8 * 2
+
+
+GPT2 = cost.ModelShape(768, 12, 1024, 16, 12, vocab=50257)  # the head costs about 2.6 layers
+
+
+def test_the_split_balances_the_embedding_and_the_head():
+    """GPT-2 small: the last stage (head and loss) gets fewer layers than equal counts give it, and the slowest
+    stage is faster than theirs; split points are what PipelineOptions takes; the predicted step prices them."""
+    parts = cost.stage_costs(GPT2, (2, 2, 1))
+    assert parts.last_ms > 2 * parts.layer_ms > parts.first_ms
+
+    def slowest(counts):
+        return max(parts.stage_ms(n, s, len(counts)) for s, n in enumerate(counts))
+
+    for stages, equal in [(2, [6, 6]), (4, [3, 3, 3, 3])]:
+        counts = cost.balanced_counts(parts, 12, stages)
+        assert sum(counts) == 12 and counts[-1] < equal[-1] and slowest(counts) < slowest(equal), counts
+    assert cost.split_points(GPT2, (2, 2, 1), 1, 4) == [3, 7, 11]  # counts [3, 4, 4, 1]
+    balanced = cost.predict_pipeline(GPT2, (2, 2, 1), 1, 4, 8)
+    equal = cost.predict_pipeline(GPT2, (2, 2, 1), 1, 4, 8, split_points=[3, 6, 9])
+    assert balanced.detail["stage_layers"] == [3, 4, 4, 1] and equal.detail["stage_layers"] == [3, 3, 3, 3]
+    assert balanced.step_ms < equal.step_ms
+
+
+@pytest.mark.parametrize("layers, stages", [(7, 1), (7, 2), (7, 3), (9, 4), (6, 6)])
+def test_balanced_counts_are_the_fastest_split(layers, stages):
+    """Against every split of ``layers`` into ``stages`` non-empty stages, for drawn stage costs (and none: equal
+    counts, the first stages one more, as ``layer_ranges``)."""
+    from itertools import combinations
+
+    from lightning_3d.pipeline import layer_ranges
+
+    splits = [
+        [b - a for a, b in zip((0, *cut), (*cut, layers))]
+        for cut in combinations(range(1, layers), stages - 1)
+    ]
+    g = torch.Generator().manual_seed(layers * 10 + stages)
+    for first, last in torch.rand(4, 2, generator=g).mul(3).tolist():
+        parts = cost.StageCosts(1.0, first, last)
+
+        def slowest(counts, parts=parts):
+            return max(parts.stage_ms(n, s, stages) for s, n in enumerate(counts))
+
+        counts = cost.balanced_counts(parts, layers, stages)
+        assert sum(counts) == layers and min(counts) >= 1
+        assert slowest(counts) == pytest.approx(min(map(slowest, splits)), rel=1e-12), (first, last, counts)
+    equal = [len(r) for r in layer_ranges(layers, stages)]
+    assert cost.balanced_counts(cost.StageCosts(1.0, 0.0, 0.0), layers, stages) == equal
+    with pytest.raises(ValueError, match=f"{layers + 1} pipeline stages need at least one layer each"):
+        cost.balanced_counts(parts, layers, layers + 1)
+
+
+def test_grid_auto_with_stages_picks_the_fastest_cube_and_the_split():
+    """``grid="auto"`` with a model shape and stages: the fastest of the cubes whose micro-batches split, priced as
+    stages; the strategy's split is the one that balances them on that cube, unless split points are given."""
+    from lightning_3d.pipeline import PipelineOptions
+    from lightning_3d.strategy import grid_rules
+
+    pipeline = PipelineOptions(n_microbatches=4)
+    shape, dp = grid_rules.resolve("auto", "auto", 16, 8, GPT2, pipeline_size=2, pipeline=pipeline)
+    machine = grid_rules.on_nodes(None, 8)
+    priced = cost.candidates(GPT2, 16, machine, pipeline_size=2, n_microbatches=4, grads_at_end=True)
+    assert (shape, dp) == (priced[0].grid, priced[0].dp) and 2 * dp * math.prod(shape) == 16
+    assert all(cost.pipeline_error(GPT2, p.grid, p.dp, 4) is None for p in priced)
+    assert cost.pipeline_error(GPT2, (1, 1, 1), 8, 4) == "batch 16 % dp·micro-batches 8·4"
+    assert cost.grid_error(GPT2, (1, 4, 1), 2, "sequences") is None  # 8 sequences a replica split over y
+    assert (
+        cost.pipeline_error(GPT2, (1, 4, 1), 2, 4, "sequences") == "batch/dp % px·py"
+    )  # 2 a micro-batch do not
+    split = grid_rules.priced_split(pipeline, GPT2, shape, dp, 2, 8)
+    assert split.split_points == tuple(cost.split_points(GPT2, shape, dp, 2, machine, grads_at_end=True))
+    assert split.split_points[0] > 6  # the first stage holds more layers than the last
+    given = PipelineOptions(split_points=[6])
+    assert grid_rules.priced_split(given, GPT2, shape, dp, 2, 8) is given
+    assert grid_rules.priced_split(pipeline, None, shape, dp, 2, 8) is pipeline

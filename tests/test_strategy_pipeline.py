@@ -159,7 +159,7 @@ def test_grid_rules_with_stages():
         grid_rules.resolve("auto", 3, 8, 8, pipeline_size=2)
     from lightning_3d.cost import ModelShape
 
-    with pytest.raises(ValueError, match="prices no pipeline stages"):
+    with pytest.raises(ValueError, match="pricing 2 pipeline stages needs the whole model"):
         grid_rules.resolve("auto", "auto", 8, 8, ModelShape(64, 4, 8, 8, 2), pipeline_size=2)
 
 

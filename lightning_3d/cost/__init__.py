@@ -2,8 +2,8 @@
 
 Four parts, each above what it prices (the grid, the layers' collectives): the machine's rates and
 their measurement (:mod:`.machine`), the formulas for step time, memory and bytes sent
-(:mod:`.formulas`), pipeline stages' bubble and hand-overs (:mod:`.pipeline`), and the search over
-grids (:mod:`.search`).
+(:mod:`.formulas`), pipeline stages' balanced split, bubble and hand-overs (:mod:`.pipeline`), and the
+search over grids (:mod:`.search`).
 """
 
 from .formulas import (
@@ -19,7 +19,16 @@ from .formulas import (
     token_rows,
 )
 from .machine import CPU, DEFAULT_MACHINE, GPU, OPS, Link, Machine, Sizes, measure_machine
-from .pipeline import bubble_fraction, hand_over_bytes, predict_pipeline, stage_layers
+from .pipeline import (
+    StageCosts,
+    balanced_counts,
+    bubble_fraction,
+    hand_over_bytes,
+    pipeline_error,
+    predict_pipeline,
+    split_points,
+    stage_costs,
+)
 from .search import best_grid, candidates, cube_grids, fits
 
 __all__ = [
@@ -34,6 +43,8 @@ __all__ = [
     "ModelShape",
     "Prediction",
     "Sizes",
+    "StageCosts",
+    "balanced_counts",
     "best_grid",
     "bubble_fraction",
     "candidates",
@@ -43,10 +54,12 @@ __all__ = [
     "hand_over_bytes",
     "measure_machine",
     "node_axes",
+    "pipeline_error",
     "predict_3d",
     "predict_job",
     "predict_pipeline",
     "sent_bytes",
-    "stage_layers",
+    "split_points",
+    "stage_costs",
     "token_rows",
 ]

@@ -1,9 +1,16 @@
-"""The cost of pipeline stages: the bubble each schedule leaves, the stage hand-overs, the step.
+"""The cost of pipeline stages: the split that balances them, the bubble each schedule leaves, the
+stage hand-overs, the step.
 
-A replica's batch is cut into ``m`` micro-batches that pass through ``pp`` stages, each stage a
-cube running ``L / pp`` layers (:mod:`lightning_3d.pipeline`). With ``v`` stages per rank (1 for
-``GPipe`` and ``1F1B``, the looped schedules' ``stages_per_rank``, 2 for the V-shaped ones), every
-rank idles while the pipeline fills and drains, ``(pp − 1)`` stage-steps of a stage's
+A replica's batch is cut into ``m`` micro-batches that pass through ``S = pp·v`` stages
+(:mod:`lightning_3d.pipeline`), ``v`` a rank (1 for ``GPipe`` and ``1F1B``, the looped schedules'
+``stages_per_rank``, 2 for the V-shaped ones). A stage's work is its layers', plus the embedding on
+the first stage and the final norm, LM head and loss on the last (:class:`StageCosts`, read off
+:func:`~lightning_3d.cost.formulas.predict_job`), so equal layer counts leave the last stage the
+slowest wherever the head is worth a few layers (a vocabulary of 50k on a hidden size of 768: about
+five). :func:`balanced_counts` gives the layer counts whose slowest stage is the fastest,
+:func:`split_points` the ``PipelineOptions(split_points=...)`` they make.
+
+Every rank idles while the pipeline fills and drains, ``(pp − 1)`` stage-steps of a stage's
 ``1/v``-sized work, out of ``v·m + pp − 1``: the bubble fraction is ``(pp − 1) / (v·m + pp − 1)``
 (Huang et al. 2019 for GPipe, Narayanan et al. 2021 for 1F1B and interleaving). GPipe and 1F1B
 show it on CPU with stages of known cost (``tests/test_pipeline_cost.py``); for ``v > 1`` it is the
@@ -20,10 +27,13 @@ work; on the critical path are those of the fill and the drain, ``2·(pp − 1)`
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from .formulas import BYTES, ModelShape, Prediction, predict_job
+from ..pipeline.kinds import stage_owner
+from ..pipeline.split import layer_ranges
+from .formulas import BYTES, ModelShape, Prediction, grid_error, predict_job
 from .machine import DEFAULT_MACHINE, Machine
 
 #: stages per rank of the schedules that fix it; the looped ones run ``stages_per_rank`` (default 2)
@@ -32,17 +42,95 @@ FIXED_STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "ZBVZeroBubble": 2, "DualPipeV":
 ALL_FORWARDS_FIRST = ("GPipe", "LoopedBFS")
 
 
+@dataclass(frozen=True)
+class StageCosts:
+    """What a pipeline stage's forward and backward cost, in ms for a replica's whole batch (a stage
+    runs it micro-batch by micro-batch): ``layer_ms`` each layer, ``first_ms`` what the first stage
+    adds (the embedding), ``last_ms`` what the last adds (the LM head and the loss)."""
+
+    layer_ms: float
+    first_ms: float
+    last_ms: float
+
+    @classmethod
+    def of(cls, job: Prediction, layers: int) -> StageCosts:
+        """The parts of :func:`~lightning_3d.cost.formulas.predict_job`'s step ``job`` of ``layers`` layers."""
+        detail = job.detail
+        return cls(
+            detail["blocks_ms"] / layers, detail["embedding_ms"], detail["head_ms"] + detail["loss_ms"]
+        )
+
+    def stage_ms(self, layers: int, index: int, num_stages: int) -> float:
+        """Stage ``index`` of ``num_stages`` holding ``layers`` layers."""
+        return (
+            layers * self.layer_ms + self.first_ms * (index == 0) + self.last_ms * (index == num_stages - 1)
+        )
+
+
+def stage_costs(
+    shape: ModelShape, grid: tuple[int, int, int], dp: int = 1, machine: Machine = None, **job
+) -> StageCosts:
+    """:class:`StageCosts` of ``shape`` (``vocab`` required) on ``grid`` with ``dp`` replicas; ``job``:
+    :func:`~lightning_3d.cost.formulas.predict_job`'s keyword arguments."""
+    return StageCosts.of(predict_job(shape, grid, dp, machine, **job), shape.layers)
+
+
+def balanced_counts(costs: StageCosts, layers: int, num_stages: int) -> list[int]:
+    """The layers of each of ``num_stages`` stages, at least one each, whose slowest stage
+    (:meth:`StageCosts.stage_ms`) is the fastest possible.
+
+    The stages between the first and the last cost alike, so they share their layers equally. Of
+    counts that are as fast, those whose stage times are the most even (the least sum of squares),
+    then the largest first: equal counts, the first stages one layer more, when the first and last
+    stage add nothing, as :func:`~lightning_3d.pipeline.split.layer_ranges` splits.
+
+    Raises:
+        ValueError: fewer layers than stages.
+    """
+    if layers < num_stages:
+        raise ValueError(
+            f"{num_stages} pipeline stages need at least one layer each, but the model has {layers}; "
+            f"use at most {layers} stages (pipeline_size × stages per rank)"
+        )
+    if num_stages == 1:
+        return [layers]
+    middle = num_stages - 2
+    splits = []
+    for first in range(1, layers - num_stages + 2):
+        for last in range(1, layers - first - middle + 1) if middle else (layers - first,):
+            per, extra = divmod(layers - first - last, middle) if middle else (0, 0)
+            counts = [first, *(per + (k < extra) for k in range(middle)), last]
+            times = [costs.stage_ms(n, s, num_stages) for s, n in enumerate(counts)]
+            splits.append((max(times), sum(t * t for t in times), counts))
+    fastest = min(slowest for slowest, _, _ in splits)
+    splits = [(squares, counts) for slowest, squares, counts in splits if slowest <= fastest * (1 + 1e-9)]
+    evenest = min(squares for squares, _ in splits)
+    return max(counts for squares, counts in splits if squares <= evenest * (1 + 1e-9))
+
+
+def split_points(
+    shape: ModelShape, grid: tuple[int, int, int], dp: int, num_stages: int, machine: Machine = None, **job
+) -> list[int]:
+    """The first layer of stages ``1 … num_stages-1`` (``PipelineOptions(split_points=...)``) that
+    balance ``shape``'s stages on ``grid`` (:func:`stage_costs`, :func:`balanced_counts`)."""
+    counts = balanced_counts(stage_costs(shape, grid, dp, machine, **job), shape.layers, num_stages)
+    return list(itertools.accumulate(counts))[:-1]
+
+
 def bubble_fraction(pipeline_size: int, n_microbatches: int, stages_per_rank: int = 1) -> float:
     """The share of a step a rank idles: ``(pp − 1) / (v·m + pp − 1)``."""
     pp, m, v = pipeline_size, n_microbatches, stages_per_rank
     return (pp - 1) / (v * m + pp - 1)
 
 
-def stage_layers(layers: int, pipeline_size: int) -> list[int]:
-    """Layers per stage, as :func:`lightning_3d.pipeline.split.layer_ranges` splits them: equal counts,
-    the first stages one more where ``layers`` does not divide."""
-    base, extra = divmod(layers, pipeline_size)
-    return [base + (s < extra) for s in range(pipeline_size)]
+def pipeline_error(
+    shape: ModelShape, grid: tuple[int, int, int], dp: int, n_microbatches: int, rows: str = "auto"
+) -> str | None:
+    """Why micro-batches of ``shape``'s batch (``n_microbatches`` a replica's) cannot run on ``grid``
+    with ``dp`` replicas (:func:`~lightning_3d.cost.formulas.grid_error` of a micro-batch), or None."""
+    if shape.batch % (dp * n_microbatches):
+        return f"batch {shape.batch} % dp·micro-batches {dp}·{n_microbatches}"
+    return grid_error(replace(shape, batch=shape.batch // n_microbatches), grid, dp, rows)
 
 
 def predict_pipeline(
@@ -54,46 +142,73 @@ def predict_pipeline(
     schedule: str = "1F1B",
     stages_per_rank: int = 2,
     machine: Machine = None,
+    split_points: list[int] | None = None,
     **job,
 ) -> Prediction:
     """Predicted training step of ``shape`` (``vocab`` required) in ``pipeline_size`` stages of
     ``grid`` cubes, ``dp`` replicas, ``n_microbatches`` micro-batches a replica's batch, under
     ``schedule`` (a name of :data:`lightning_3d.pipeline.SCHEDULES`; ``stages_per_rank`` for the
-    looped ones).
+    looped ones), the layers split at ``split_points`` (default :func:`balanced_counts`'); ``job``:
+    :func:`~lightning_3d.cost.formulas.predict_job`'s keyword arguments.
 
-    The slowest stage sets the pace: the most layers, with the embedding and the LM head and loss
-    priced on it (:func:`~lightning_3d.cost.formulas.predict_job` of that many layers, ``job`` its
-    keyword arguments); the step is its time over ``1 −`` :func:`bubble_fraction`, plus the
-    hand-overs of the fill and the drain. Memory: the stage's, its activations those of the
-    micro-batches in flight on the first stage (all ``m`` where every forward runs first, GPipe and
-    LoopedBFS; else at most ``pp·v``).
+    The busiest rank sets the pace: its stages' work (:class:`StageCosts`) over ``1 −``
+    :func:`bubble_fraction`, plus the hand-overs of the fill and the drain, plus what runs after the
+    schedule (clipping, the optimizer, the gradient reduction over dp), the whole model's share of
+    the rank's parameters; forward and backward in the whole step's proportion. Memory, at most:
+    a whole step's of the most layers a rank holds (embedding and head included), its activations
+    those of the micro-batches in flight on the first stage (all ``m`` where every forward runs first,
+    GPipe and LoopedBFS; else at most ``pp·v``).
     """
     m = machine or DEFAULT_MACHINE
-    pp, n = pipeline_size, n_microbatches
+    pp, n, layers = pipeline_size, n_microbatches, shape.layers
     v = FIXED_STAGES_PER_RANK.get(schedule, stages_per_rank)
-    stage_shape = replace(shape, layers=max(stage_layers(shape.layers, pp)))
-    stage = predict_job(stage_shape, grid, dp, m, **job)
+    num_stages = pp * v
+    whole = predict_job(shape, grid, dp, m, **job)
+    costs = StageCosts.of(whole, layers)
+    if split_points is None:
+        counts = balanced_counts(costs, layers, num_stages)
+    else:
+        counts = [len(r) for r in layer_ranges(layers, num_stages, split_points)]
+    in_schedule = layers * costs.layer_ms + costs.first_ms + costs.last_ms
+    after_schedule = whole.step_ms - in_schedule
+    embedding = (shape.vocab or 0) * shape.hidden
+    ranks = [[s for s in range(num_stages) if stage_owner(s, pp, schedule) == r] for r in range(pp)]
+
     bubble = bubble_fraction(pp, n, v)
+
+    def work_ms(stages: list[int]) -> float:
+        return sum(costs.stage_ms(counts[s], s, num_stages) for s in stages)
+
+    def rank_ms(stages: list[int]) -> float:
+        params = sum(counts[s] for s in stages) * shape.block_weights
+        params += embedding * ((0 in stages) + (num_stages - 1 in stages))
+        return work_ms(stages) / (1 - bubble) + after_schedule * params / shape.params
+
+    busiest = max(ranks, key=rank_ms)
     cube = math.prod(grid)
     block = shape.batch / dp / n * shape.seq * shape.hidden / cube * BYTES
     across = pp > 1 and m.gpus_per_node <= cube * dp  # a stage fills its nodes: the next is on others
     hand_over = m.link("all_gather", 2, across).seconds(block) * 1e3 if pp > 1 else 0.0  # a pair of ranks
     fill_drain = 2 * (pp - 1) * hand_over
-    scale = 1 / (1 - bubble)
+    step = rank_ms(busiest) + fill_drain
+    most = max(sum(counts[s] for s in stages) for stages in ranks)
+    stage = predict_job(replace(shape, layers=most), grid, dp, m, **job)
     in_flight = n if schedule in ALL_FORWARDS_FIRST else min(n, pp * v)
     activations = stage.detail["activations_GiB"]
     detail = {
         **stage.detail,
-        "stage_layers": stage_shape.layers,
+        "stage_layers": counts,
+        "busiest_rank_stages": busiest,
         "bubble_fraction": bubble,
         "hand_over_ms": hand_over,
-        "pipeline_exposed_ms": stage.step_ms * (scale - 1) + fill_drain,
+        "pipeline_exposed_ms": work_ms(busiest) * bubble / (1 - bubble) + fill_drain,
     }
+    forward = step * whole.fwd_ms / whole.step_ms
     return Prediction(
         grid,
         dp,
-        stage.fwd_ms * scale + fill_drain / 2,
-        stage.bwd_ms * scale + fill_drain / 2,
+        forward,
+        step - forward,
         stage.comm_ms + 2 * n * hand_over,
         stage.exposed_comm_ms + fill_drain,
         stage.memory_GiB + activations * (in_flight / n - 1),

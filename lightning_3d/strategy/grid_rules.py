@@ -10,6 +10,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import arguments, cost
 from ..options import RuntimeOptions
+from ..pipeline import PipelineOptions
+from ..pipeline.kinds import stages_per_rank
 
 HALF_PRECISION_HOOKS = (default_hooks.bf16_compress_hook, default_hooks.fp16_compress_hook)
 
@@ -47,6 +49,7 @@ def resolve(
     model_shape: cost.ModelShape | None = None,
     *,
     pipeline_size: int = 1,
+    pipeline: PipelineOptions | None = None,
     options: RuntimeOptions | None = None,
     machine: cost.Machine | None = None,
     half_grads: bool = False,
@@ -60,10 +63,12 @@ def resolve(
     priced as such), on ``machine``'s rates (:func:`lightning_3d.cost.measure_machine`; default
     :data:`~lightning_3d.cost.DEFAULT_MACHINE`; ``half_grads``: the gradient reduction over dp runs
     in half precision, :func:`halves_gradients`), with ``options``' ``async_tp`` and
-    ``grads_at_end`` (default ``RuntimeOptions()``); the cost model prices one stage only, so not
-    with ``pipeline_size > 1``. Without a shape it factors the devices of one node (of one stage's
-    ranks), so that each cube lies inside a node and dp spans the nodes (or ``world / (pp·dp)``
-    when dp is given). ``data_parallel_size="auto"`` takes the rest.
+    ``grads_at_end`` (default ``RuntimeOptions()``); with ``pipeline_size > 1``, as stages run under
+    ``pipeline``'s schedule and micro-batches (default ``PipelineOptions()``), split where it says or
+    where the stages balance (:func:`priced_split`; the shape needs ``vocab``). Without a shape it
+    factors the devices of one node (of one stage's ranks), so that each cube lies inside a node and
+    dp spans the nodes (or ``world / (pp·dp)`` when dp is given). ``data_parallel_size="auto"`` takes
+    the rest.
 
     Raises:
         ValueError: the numbers do not multiply to the world size; the message names the fix.
@@ -77,23 +82,14 @@ def resolve(
     ranks = world // pp
     if grid == "auto":
         if dp == "auto" and model_shape is not None:
-            if pp > 1:
-                raise ValueError(
-                    f"grid='auto' with model_shape prices no pipeline stages (pipeline_size={pp}); pass "
-                    f"grid=(px, py, pz) whose product with data_parallel_size is {ranks}, or drop model_shape"
-                )
-            options = options if options is not None else RuntimeOptions()
-            machine = dataclasses.replace(machine or cost.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
             shape = cost.best_grid(
                 **dataclasses.asdict(model_shape),
                 world=world,
-                machine=machine,
-                async_tp=options.async_tp,
-                half_grads=half_grads,
-                grads_at_end=options.grads_at_end,
-                rows=options.rows,
+                machine=on_nodes(machine, devices_per_node),
+                **job_options(options, half_grads),
+                **_stages(pipeline, pp),
             )
-            return shape, world // math.prod(shape)
+            return shape, ranks // math.prod(shape)
         if dp == "auto":
             cube = math.gcd(devices_per_node, ranks)
         elif ranks % dp:
@@ -119,6 +115,59 @@ def resolve(
             f"(grid {grid}); launch {pp * dp * cube} processes or change grid / data_parallel_size{knob}"
         )
     return grid, dp
+
+
+def on_nodes(machine: cost.Machine | None, devices_per_node: int) -> cost.Machine:
+    """``machine`` (default :data:`~lightning_3d.cost.DEFAULT_MACHINE`) on nodes of ``devices_per_node`` devices."""
+    return dataclasses.replace(machine or cost.DEFAULT_MACHINE, gpus_per_node=devices_per_node)
+
+
+def job_options(options: RuntimeOptions | None, half_grads: bool) -> dict:
+    """The keyword arguments :func:`lightning_3d.cost.predict_job` prices ``options`` (default
+    ``RuntimeOptions()``: the model's are made after the grid) and the dp reduction's precision with."""
+    options = options if options is not None else RuntimeOptions()
+    return dict(
+        async_tp=options.async_tp, half_grads=half_grads, grads_at_end=options.grads_at_end, rows=options.rows
+    )
+
+
+def _stages(pipeline: PipelineOptions | None, pp: int) -> dict:
+    """The keyword arguments :func:`lightning_3d.cost.best_grid` prices ``pp`` stages under ``pipeline`` with."""
+    if pp == 1:
+        return {}
+    pipeline = pipeline if pipeline is not None else PipelineOptions()
+    return dict(
+        pipeline_size=pp,
+        n_microbatches=pipeline.microbatches(pp),
+        schedule=pipeline.schedule,
+        stages_per_rank=stages_per_rank(pipeline.schedule, pipeline.stages_per_rank),
+        split_points=pipeline.split_points,
+    )
+
+
+def priced_split(
+    pipeline: PipelineOptions,
+    model_shape: cost.ModelShape | None,
+    grid: tuple[int, int, int],
+    dp: int,
+    pipeline_size: int,
+    devices_per_node: int,
+    *,
+    options: RuntimeOptions | None = None,
+    machine: cost.Machine | None = None,
+    half_grads: bool = False,
+) -> PipelineOptions:
+    """``pipeline`` with the split points that balance its stages on ``grid`` by the cost model
+    (:func:`lightning_3d.cost.split_points`: the first stage's embedding and the last's head and loss
+    weighed against the layers), priced as :func:`resolve` prices; ``pipeline`` as it is where it gives
+    split points, or without a ``model_shape`` of the whole model (``vocab``)."""
+    if pipeline.split_points is not None or model_shape is None or model_shape.vocab is None:
+        return pipeline
+    stages = pipeline_size * stages_per_rank(pipeline.schedule, pipeline.stages_per_rank)
+    points = cost.split_points(
+        model_shape, grid, dp, stages, on_nodes(machine, devices_per_node), **job_options(options, half_grads)
+    )
+    return dataclasses.replace(pipeline, split_points=points)
 
 
 def _stage_ranks(world: int, pp: int) -> str:

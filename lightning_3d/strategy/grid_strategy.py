@@ -26,6 +26,7 @@ from ..cost import ModelShape
 from ..grid import Grid, init_grid, set_grid
 from ..options import RuntimeOptions
 from ..parallel import set_options
+from ..pipeline import PipelineOptions
 from . import grid_rules
 from .failures import ConfigurationError, same_on_every_rank
 from .replicas import GridData
@@ -84,6 +85,8 @@ def _changed(options: RuntimeOptions | None) -> str:
 class GridStrategy(GridData):
     """Strategy mixin: the grid arguments, the grid itself, DDP over its dp group and ZeRO-1 optimizers."""
 
+    #: the schedule and split of the pipeline stages (None with one stage), set by each strategy
+    pipeline: PipelineOptions | None = None
     info: ClassVar[Callable[[str], None]]  # rank-zero print of the namespace
     worker_init_function: ClassVar[
         Callable[..., None]
@@ -140,6 +143,7 @@ class GridStrategy(GridData):
                 self.num_processes,
                 self._model_shape,
                 pipeline_size=self.pipeline_size,
+                pipeline=self.pipeline,
                 options=self.options,
                 machine=self._machine,
                 half_grads=grid_rules.halves_gradients(self.ddp_comm_hook),
