@@ -79,7 +79,9 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             a Hugging Face model) on ``meta`` and the strategy runs it as
             :class:`lightning_3d.pipeline.PipelinedModel` (``docs/lightning.md``, "Pipeline stages").
         pipeline: the schedule and split (:class:`lightning_3d.pipeline.PipelineOptions`); default
-            ``1F1B`` with ``pipeline_size`` micro-batches, equal layer counts, the built-in plan.
+            ``1F1B`` with ``pipeline_size`` micro-batches, the built-in plan, and equal layer counts, or
+            with a ``model_shape`` of the whole model (``vocab``) the split the cost model balances (the
+            embedding on the first stage, the head and loss on the last, weighed against the layers).
         zero_stage: 0, or 1 to shard optimizer state over the dp group (ZeRO-1).
         process_group_backend: ``"nccl"`` / ``"gloo"``; default from the device.
         timeout: collective timeout (timedelta or seconds, positive and finite): how long a rank
@@ -224,10 +226,7 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
                 into_stages(
                     self.lightning_module,
                     self.grid,
-                    self.pipeline,
-                    str(self.precision_plugin.precision),
-                    self.options,
-                    self.root_device,
+                    lambda model: self.split_into_stages(model, self.precision_plugin),
                 )
         self.apply_options(self.lightning_module)
         self.model = self.precision_plugin.convert_module(self.model)

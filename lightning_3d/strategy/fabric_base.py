@@ -13,9 +13,12 @@ As Fabric's ``ModelParallelStrategy`` does, the strategy owns the model's placem
 - ``fabric.init_module(empty_init=True)`` builds on ``meta``; ``fabric.setup`` (or
   ``setup_module``) puts the model on the grid: :func:`lightning_3d.parallelize` with the
   strategy's ``plan`` (default: the built-in plan of the model's class), or, for a model already
-  made of 3-D layers, materialises it (``reset_parameters``) on this rank's device; then DDP over
-  the dp group. An optimizer passed to ``fabric.setup`` with the model is moved onto the model's
-  3-D parameters by name;
+  made of 3-D layers, materialises it (``reset_parameters``) on this rank's device; with
+  ``pipeline_size > 1`` it splits the plain model into this rank's stages, a
+  :class:`~lightning_3d.pipeline.PipelinedModel` (:mod:`.stages`, as the Trainer strategy does),
+  which ``model(ids, targets)`` runs for a whole batch; then DDP over the dp group. An optimizer
+  passed to ``fabric.setup`` with the model is moved onto the model's 3-D parameters by name (those
+  of this rank's stages);
 - ``fabric.clip_gradients(max_norm=...)`` clips by the global norm; ``fabric.no_backward_sync``
   skips the gradient all-reduce over dp; ``setup_dataloaders`` gives the cube ranks one batch;
 - ``fabric.save`` / ``fabric.load`` write and read the sharded checkpoint, which the Trainer
@@ -27,6 +30,7 @@ As Fabric's ``ModelParallelStrategy`` does, the strategy owns the model's placem
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 from collections.abc import Callable
@@ -45,11 +49,13 @@ from ..grad_norm import clip_grad_norm_
 from ..layers import Module3D
 from ..options import RuntimeOptions
 from ..parallel import Plan, parallelize
+from ..pipeline import PipelineOptions
 from .checkpoints import FABRIC_STATE_KEY, PARAM_GROUPS_KEY, load_meta, load_sharded, save_sharded
 from .failures import same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
 from .precision import fabric_precision
 from .preemption import PreemptionWatch, stop_message
+from .stages import checked_pipeline
 
 _PRIVATE_META = (PARAM_GROUPS_KEY, FABRIC_STATE_KEY)
 
@@ -88,10 +94,14 @@ def materialize_(module: nn.Module, device: torch.device) -> None:
 
 
 def rebind_parameters_(
-    optimizer: torch.optim.Optimizer, names: dict[int, str], params: dict[str, nn.Parameter]
+    optimizer: torch.optim.Optimizer,
+    names: dict[int, str],
+    params: dict[str, nn.Parameter],
+    elsewhere: frozenset[str] = frozenset(),
 ) -> None:
     """Point ``optimizer``'s param groups at ``params`` (the model's parameters after setup) by the names
-    ``names`` gave the old ones (``id(param)`` → name, from before setup).
+    ``names`` gave the old ones (``id(param)`` → name, from before setup); those named in ``elsewhere``
+    (other pipeline stages' parameters) leave it.
 
     Raises:
         ValueError: the optimizer already has state, or holds a parameter that is not the model's.
@@ -102,6 +112,7 @@ def rebind_parameters_(
             "after setup with fabric.load(path, {'model': model, 'optimizer': optimizer})"
         )
     for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if names.get(id(p)) not in elsewhere]
         missing = [
             names.get(id(p), f"a {list(p.shape)} tensor")
             for p in group["params"]
@@ -141,10 +152,13 @@ class Tensor3DFabricMixin(GridStrategy):
         machine, ddp_comm_hook, ddp_comm_state, **ddp_kwargs: as the Trainer's
             ``Tensor3DStrategy`` (``docs/lightning.md``).
         pipeline_size: pipeline stages of the grid (``strategy.grid.stage``, its ``"pipe"`` group);
-            ``fabric.setup`` does not split a model into them: with ``pipeline_size > 1`` the loop
-            runs :class:`lightning_3d.pipeline.PipelinedModel` itself.
-        plan: the :class:`lightning_3d.Plan` that ``fabric.setup`` parallelizes the model with;
-            default: the built-in plan of its class.
+            with more than one, ``fabric.setup`` splits the plain model (built under
+            ``fabric.init_module(empty_init=True)``) into this rank's stages, and
+            ``loss = model(ids, targets)`` runs the schedule for the batch (``docs/lightning.md``).
+        pipeline: the schedule and split (:class:`lightning_3d.pipeline.PipelineOptions`), as the
+            Trainer's ``Tensor3DStrategy`` takes it.
+        plan: the :class:`lightning_3d.Plan` that ``fabric.setup`` parallelizes the model (or each
+            stage) with; default: the built-in plan of its class.
         options: the model's run-time choices (:class:`lightning_3d.RuntimeOptions`); at
             ``fabric.setup`` they replace the options of every 3-D layer of the model. None keeps the
             plan's (a model ``setup`` parallelizes) or those the model was built with. With
@@ -166,6 +180,7 @@ class Tensor3DFabricMixin(GridStrategy):
         grid: Literal["auto"] | tuple[int, int, int] = "auto",
         data_parallel_size: Literal["auto"] | int = "auto",
         pipeline_size: int = 1,
+        pipeline: PipelineOptions | None = None,
         zero_stage: int = 0,
         plan: Plan | None = None,
         options: RuntimeOptions | None = None,
@@ -209,6 +224,13 @@ class Tensor3DFabricMixin(GridStrategy):
                 f"plan must be a lightning_3d.Plan or None (the built-in plan of the model's class), got {plan!r}"
             )
         self.plan = plan
+        self.pipeline = checked_pipeline(pipeline, self.pipeline_size)
+        if self.pipeline is not None and plan is not None:
+            if self.pipeline.plan is not None:
+                raise ValueError(
+                    "plan= and pipeline=PipelineOptions(plan=...) both give the stages' plan: pass one of them"
+                )
+            self.pipeline = dataclasses.replace(self.pipeline, plan=plan)
         self._backward_sync_control = DataParallelSync()
         self._watch: PreemptionWatch | None = None
         self._steps = 0
@@ -271,19 +293,17 @@ class Tensor3DFabricMixin(GridStrategy):
         """Done by :meth:`setup_module`, which places each rank's shards."""
 
     def put_on_grid(self, module: nn.Module) -> nn.Module:
-        """``module`` on the grid, in place: parallelized by the plan, or, made of 3-D layers already, materialised
-        and moved to this rank's device, with the strategy's ``options``."""
+        """``module`` on the grid: parallelized by the plan in place, or, made of 3-D layers already, materialised
+        and moved to this rank's device, with the strategy's ``options``; with pipeline stages, this rank's
+        stages of it (:meth:`split_into_stages`)."""
         if isinstance(module, DistributedDataParallel):
             raise TypeError(
                 "pass fabric.setup the model itself, not wrapped in DistributedDataParallel: the strategy "
                 "wraps it over dp"
             )
-        if self.grid.pipeline_size > 1:
-            raise NotImplementedError(
-                f"fabric.setup puts a whole model on each cube and splits none into pipeline stages "
-                f"(pipeline_size={self.grid.pipeline_size}): use the Trainer's Tensor3DStrategy(pipeline_size=...), "
-                "or lightning_3d.pipeline.PipelinedModel(model, fabric.strategy.grid) in your own loop"
-            )
+        if self.pipeline is not None:
+            with same_on_every_rank():
+                return self.split_into_stages(module, self.precision)
         with same_on_every_rank():
             if any(isinstance(m, Module3D) for m in module.modules()):
                 materialize_(module, self.root_device)
@@ -308,8 +328,9 @@ class Tensor3DFabricMixin(GridStrategy):
         names = {id(p): name for name, p in module.named_parameters()}
         module = self.setup_module(module)
         params = dict(_bare(module).named_parameters())
+        elsewhere = frozenset(names.values()) - params.keys() if self.pipeline is not None else frozenset()
         for optimizer in optimizers:
-            rebind_parameters_(optimizer, names, params)
+            rebind_parameters_(optimizer, names, params, elsewhere)
         return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -26,10 +26,11 @@ from ..cost import ModelShape
 from ..grid import Grid, init_grid, set_grid
 from ..options import RuntimeOptions
 from ..parallel import set_options
-from ..pipeline import PipelineOptions
+from ..pipeline import PipelinedModel, PipelineOptions
 from . import grid_rules
 from .failures import ConfigurationError, same_on_every_rank
 from .replicas import GridData
+from .stages import split_model
 from .zero import ShardedOptimizerState
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
@@ -170,6 +171,25 @@ class GridStrategy(GridData):
             f"options: {_changed(self.options)}, across nodes: {'+'.join(self._grid.axes_across_nodes) or 'nothing'}"
         )
         return self._grid
+
+    def split_into_stages(self, model: torch.nn.Module, precision) -> PipelinedModel:
+        """This rank's pipeline stages of the plain ``model`` (:func:`.stages.split_model`), split where the
+        cost model balances them when ``model_shape`` prices the whole model and ``pipeline`` gives no split
+        points (:func:`.grid_rules.priced_split`); ``precision``: the precision plugin, whose fp16 loss scale
+        the schedule's backward starts from."""
+        pipeline = grid_rules.priced_split(
+            self.pipeline,
+            self._model_shape,
+            self.grid.shape,
+            self.grid.data_parallel_size,
+            self.pipeline_size,
+            self.num_processes,
+            options=self.options,
+            machine=self._machine,
+            half_grads=grid_rules.halves_gradients(self.ddp_comm_hook),
+        )
+        priced = self._model_shape.layers if pipeline is not self.pipeline else None
+        return split_model(model, self.grid, pipeline, self.options, self.root_device, precision, priced)
 
     def apply_options(self, module: torch.nn.Module) -> None:
         """Give every 3-D layer of ``module`` the strategy's ``options`` (none given: keep the model's)."""

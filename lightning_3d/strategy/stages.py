@@ -1,5 +1,6 @@
-"""The Trainer strategy's pipeline stages (``pipeline_size > 1``): the LightningModule's model, split at
-setup, runs as a :class:`~lightning_3d.pipeline.PipelinedModel` (no Lightning import).
+"""The strategies' pipeline stages (``pipeline_size > 1``): a plain model, split at setup, runs as a
+:class:`~lightning_3d.pipeline.PipelinedModel` (:func:`split_model`, shared by the Trainer's and
+Fabric's strategies; no Lightning import).
 
 What a LightningModule writes differently: ``configure_model`` builds the plain model (``DenseGPT``,
 a Hugging Face model: one with a pipeline split and a plan) in one attribute, ``self.model = ...``;
@@ -11,19 +12,23 @@ every rank, so ``self.log`` logs it as usual; Lightning's ``backward`` of the re
 the schedule's gradients to the parameters (scaled by ``1 / accumulate_grad_batches``), DDP
 averages them over dp, and clipping (by the norm over every stage's cube) and the optimizer step
 follow as without stages. ``validation_step`` calls the model the same way: forward passes only.
+Under mixed precision the schedule runs each stage's forward under the step's autocast, one
+micro-batch at a time, and an fp16 loss scaler's scale reaches the schedule's backward
+(:func:`loss_scale_of`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..grid import Grid
 from ..options import RuntimeOptions
-from ..pipeline import PipelinedModel, PipelineOptions
+from ..pipeline import PipelinedModel, PipelineOptions, find_split
 
 
 def checked_pipeline(pipeline: PipelineOptions | None, pipeline_size: int) -> PipelineOptions | None:
@@ -47,26 +52,54 @@ def built_for_stages(pipeline: PipelineOptions | None) -> contextlib.AbstractCon
     return torch.device("meta") if pipeline is not None else contextlib.nullcontext()
 
 
-def into_stages(
-    module: nn.Module,
+def loss_scale_of(precision) -> Callable[[], float] | None:
+    """The scale of ``precision``'s loss scaler (a Lightning precision plugin's ``scaler``, read at each
+    call), or None when it has none."""
+    if getattr(precision, "scaler", None) is None:
+        return None
+    return lambda: precision.scaler.get_scale()
+
+
+def split_model(
+    model: nn.Module,
     grid: Grid,
     pipeline: PipelineOptions,
-    precision: str,
     options: RuntimeOptions | None,
     device: torch.device,
-) -> None:
-    """Put this rank's stages of ``module``'s model in its place (nothing when they are there already).
+    precision,
+    priced_layers: int | None = None,
+) -> PipelinedModel:
+    """This rank's stages of the plain ``model`` (on ``meta``, or materialised) on ``grid``, run with
+    ``pipeline`` and ``options``, their gradients scaled as ``precision``'s loss scaler scales the loss.
+
+    ``priced_layers``: the layers of the model the cost model split (``model_shape.layers``), which
+    ``model`` must have.
 
     Raises:
-        ValueError: a mixed ``precision``; ``module`` holding parameters outside one child module;
-            what :class:`~lightning_3d.pipeline.PipelinedModel` refuses.
+        ValueError: ``model`` has other than ``priced_layers`` layers; what
+            :class:`~lightning_3d.pipeline.PipelinedModel` refuses.
     """
-    if precision.endswith("-mixed"):
-        raise ValueError(
-            f"precision={precision!r} runs autocast around training_step, which would hold every micro-batch's "
-            f"backward of the pipeline schedule (pipeline_size={grid.pipeline_size}): not done yet; use "
-            "'bf16-true', '16-true', '32-true' or '64-true'"
-        )
+    if priced_layers is not None:
+        split = pipeline.split if pipeline.split is not None else find_split(model)
+        layers = len(model.get_submodule(split.layers))
+        if layers != priced_layers:
+            raise ValueError(
+                f"model_shape has layers={priced_layers}, but {type(model).__name__} has {layers} ({split.layers}): "
+                f"the cost model split another model into stages; pass the model's shape as model_shape, or "
+                "PipelineOptions(split_points=...)"
+            )
+    return PipelinedModel(
+        model, grid, pipeline, options=options, device=device, loss_scale=loss_scale_of(precision)
+    )
+
+
+def into_stages(module: nn.Module, grid: Grid, split: Callable[[nn.Module], nn.Module]) -> None:
+    """Put this rank's stages of ``module``'s model in its place, ``split(model)`` (nothing when they are
+    there already).
+
+    Raises:
+        ValueError: ``module`` holding parameters outside one child module; what ``split`` refuses.
+    """
     holders = [n for n, m in module.named_children() if any(True for _ in m.parameters())]
     own = [n for n, _ in module.named_parameters(recurse=False)]
     if len(holders) != 1 or own:
@@ -78,7 +111,7 @@ def into_stages(
     name = holders[0]
     model = getattr(module, name)
     if not isinstance(model, PipelinedModel):
-        setattr(module, name, PipelinedModel(model, grid, pipeline, options=options, device=device))
+        setattr(module, name, split(model))
 
 
 def refuse_checkpoints(pipeline_size: int, asked: bool) -> None:
