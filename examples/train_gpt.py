@@ -9,8 +9,9 @@ from the newest one with ``--resume``, and ends by printing a generated sample.
 
 ``--pipeline 2`` splits the model into two pipeline stages (on 8 CPU processes: two stages of 2×2×1):
 the LightningModule builds the plain ``DenseGPT`` (untied) and the strategy runs this rank's stages
-under ``--schedule``; ``training_step`` is the same. Checkpoints and the sample are left out there
-(checkpoints of pipeline stages are not written yet; the stages do not generate).
+under ``--schedule``; ``training_step`` is the same. Its checkpoints resume with ``--resume``, on another
+``--pipeline`` (above 1: the model is untied) or grid too; the sample is left out there (the stages
+do not generate).
 
     python examples/train_gpt.py                      # CPU: 8 processes, a few minutes
     python examples/train_gpt.py --resume --max-steps 300
@@ -345,10 +346,6 @@ def main() -> None:
     grid = args.grid if args.grid == "auto" else tuple(int(s) for s in args.grid.split(","))
     dp = args.data_parallel_size if args.data_parallel_size == "auto" else int(args.data_parallel_size)
     staged = args.pipeline > 1
-    if staged and args.resume:
-        raise SystemExit(
-            "--resume: checkpoints of pipeline stages are not written yet, so --pipeline runs none"
-        )
     strategy = Tensor3DStrategy(
         grid=grid,
         data_parallel_size=dp,
@@ -358,11 +355,10 @@ def main() -> None:
         timeout=args.timeout,
         options=RuntimeOptions(**run_options(args)),
     )
-    callbacks = [TokensPerSecond(args.batch_size * args.seq_len)]
-    if not staged:
-        callbacks.append(
-            ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1)
-        )
+    callbacks = [
+        TokensPerSecond(args.batch_size * args.seq_len),
+        ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}", save_top_k=1, every_n_epochs=1),
+    ]
     trainer = pl.Trainer(
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=args.devices,
@@ -375,7 +371,6 @@ def main() -> None:
         gradient_clip_val=1.0,
         log_every_n_steps=5,  # max_steps alone ends a run
         logger=CSVLogger(out, name="logs"),
-        enable_checkpointing=not staged,
         callbacks=callbacks,
     )
     model = ByteGPT(
@@ -392,23 +387,21 @@ def main() -> None:
     data = StdlibText(args.seq_len, args.batch_size, args.max_bytes, args.val_windows, args.seed)
     ckpt_path = newest_checkpoint(out / "checkpoints") if args.resume else None
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
-    if staged:
-        if trainer.is_global_zero:
-            print(f"\nvalidation loss: {_val_losses(model)}")
-        return
-
-    device = trainer.strategy.root_device
-    model.model.to(device).eval()  # Lightning's teardown moved the module to the CPU
-    prompt = torch.tensor([list(b"def ")], device=device)
-    sample = model.model.generate(
-        prompt, args.sample_tokens, temperature=0.8, top_k=40
-    )  # collective: every rank
+    sample = None
+    if not staged:
+        device = trainer.strategy.root_device
+        model.model.to(device).eval()  # Lightning's teardown moved the module to the CPU
+        prompt = torch.tensor([list(b"def ")], device=device)
+        sample = model.model.generate(
+            prompt, args.sample_tokens, temperature=0.8, top_k=40
+        )  # collective: every rank
     if trainer.is_global_zero:
         print(f"\nvalidation loss: {_val_losses(model)}")
         print(
             f"checkpoint: {trainer.checkpoint_callback.best_model_path or newest_checkpoint(out / 'checkpoints')}"
         )
-        print("sample:\n" + bytes(sample[0].tolist()).decode("utf-8", errors="replace"))
+        if sample is not None:
+            print("sample:\n" + bytes(sample[0].tolist()).decode("utf-8", errors="replace"))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
 """Tensor3DStrategy(pipeline_size=...) in real multi-process ``Trainer.fit`` runs (gloo, CPU), judged against DenseGPT.
 
-One world of 4 (``lightning_scripts/pipeline.py``, its docstring names the runs): pp 2 × 2×1×1 under
-1F1B, and pp 2 × 1×1×1 × dp 2 with ZeRO-1 under Interleaved1F1B with two batches accumulated a
-step, train as the dense twin (losses, clipped gradient norms), and ``validate`` runs through the
-pipeline. The refusals of pipeline sizes that do not fit need no process.
+Two worlds of 4, each rank a process started here (``lightning_scripts/pipeline.py``, whose docstring
+names the runs): pp 2 × 2×1×1 under 1F1B, and pp 2 × 1×1×1 × dp 2 with ZeRO-1 under Interleaved1F1B
+with two batches accumulated a step, train as the dense twin (losses, clipped gradient norms), and
+``validate`` runs through the pipeline. Checkpoints of stages: the latter's resumes at pp 4 ×
+1×1×1; SIGTERM to a rank of stage 1 stops every rank at the same step with a checkpoint, which
+resumes without stages on 1×2×1 × dp 2 with ZeRO-1; both train on as the uninterrupted dense twin
+(float64), and ``to-dense`` of the preempted one is the dense twin's state dict. A rank of stage 1
+killed inside the schedule makes every other rank fail fast with tensor3d's message. The refusals
+of pipeline sizes that do not fit need no process.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import types
 from pathlib import Path
@@ -23,24 +29,48 @@ import common
 import worlds
 from test_strategy import SCRIPTS, assert_close
 
-from lightning_3d.models import DenseGPT
+from lightning_3d import checkpoint as ckpt
+from lightning_3d.models import DenseGPT, dense_gpt
 from lightning_3d.pipeline import PipelineOptions
 from lightning_3d.strategy import grid_rules
 from lightning_3d.strategy.failures import ConfigurationError
 from lightning_3d.strategy.stages import into_stages
 
+F64 = torch.float64
+TOL64 = 1e-10
+WORLD_TIMEOUT_S = 300
+
+
+def world(mode: str, out: Path) -> list[int]:
+    """Every rank's exit status of ``pipeline.py MODE`` in a world of 4 (a hang fails the test)."""
+    procs, logs = worlds.start(SCRIPTS / "pipeline.py", 4, out, (mode, str(out)))
+    hung = worlds.wait(procs, WORLD_TIMEOUT_S)
+    assert not hung, f"pipeline.py {mode}: ranks {hung} hung past {WORLD_TIMEOUT_S} s\n{tails(out, mode)}"
+    return [p.returncode for p in procs]
+
+
+def tails(out: Path, mode: str) -> str:
+    return "\n".join(f"--- rank {r} ---\n{worlds.tail(out / f'{mode}.log{r}')}" for r in range(4))
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
+    """The worlds' folder; every rank's exit statuses in ``statuses.json`` (by mode)."""
     out = tmp_path_factory.mktemp("pipeline")
-    worlds.launch(SCRIPTS / "pipeline.py", 4, out, "world4", str(out))
+    statuses = {mode: world(mode, out) for mode in ("train", "resume")}
+    (out / "statuses.json").write_text(json.dumps(statuses))
     return out
 
 
 def records(out: Path, name: str) -> list[dict]:
     recs = common.read_records(out, name)
-    assert len(recs) == 4, f"run {name} wrote {len(recs)} records, expected 4"
+    mode = "resume" if name == "S" else "train"
+    assert len(recs) == 4, f"run {name} wrote {len(recs)} records, expected 4\n{tails(out, mode)}"
     return recs
+
+
+def statuses(out: Path, mode: str) -> list[int]:
+    return json.loads((out / "statuses.json").read_text())[mode]
 
 
 def test_two_stages_train_as_the_dense_twin(runs):
@@ -60,7 +90,7 @@ def test_model_summary_counts_every_stage(runs):
     from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
     total = sum(p.numel() for p in DenseGPT(common.config(n_layer=2, tied=False)).parameters())
-    log = (runs / "world4.log0").read_text()
+    log = (runs / "train.log0").read_text()
     stated = [line.split(":")[-1].strip() for line in log.splitlines() if "Total params" in line]
     assert stated[:1] == [get_human_readable_count(total).strip()], (
         f"summary: {stated}, the model has {total}"
@@ -81,17 +111,102 @@ def test_validate_runs_through_the_pipeline(runs):
         assert_close([got["val_loss"]], [sum(losses) / len(losses)], f"rank {rank}: validation loss")
 
 
+def assert_accumulated_steps(r: dict, dense: dict, what: str) -> None:
+    """Run ``r``'s batches, accumulated two a step, against the dense twin's steps of both (each step's loss the
+    mean of its two batches')."""
+    steps = [(a + b) / 2 for a, b in zip(r["loss"][::2], r["loss"][1::2])]
+    where = f"{what}, stage {r['stage']}, dp {r['coords'][0]}"
+    assert_close(steps, dense["loss"], f"{where}: losses", TOL64)
+    assert_close(r["grad_norm"], dense["grad_norm"], f"{where}: gradient norms", TOL64)
+
+
 def test_zero1_over_dp_interleaved_and_accumulated_as_the_dense_twin(runs):
     """pp 2 × 1×1×1 × dp 2, ZeRO-1, two stages a rank (Interleaved1F1B), batches of 4 accumulated two a step: the
-    dense twin's steps of 8 (each step's loss the mean of its two batches')."""
-    dense = common.dense_reference(3, n_layer=4, tied=False)
+    dense twin's steps of 8, in float64."""
+    dense = common.dense_reference(3, n_layer=4, tied=False, dtype=F64)
     for r in records(runs, "Q"):
         assert r["global_step"] == 3 and r["dp"] == 2
-        steps = [(a + b) / 2 for a, b in zip(r["loss"][::2], r["loss"][1::2])]
-        assert_close(steps, dense["loss"], f"stage {r['stage']}, dp {r['coords'][0]}: losses")
-        assert_close(
-            r["grad_norm"], dense["grad_norm"], f"stage {r['stage']}, dp {r['coords'][0]}: gradient norms"
-        )
+        assert_accumulated_steps(r, dense, "pp 2 × dp 2 ZeRO-1")
+
+
+# ----- checkpoints of stages, preemption and a killed rank -----
+
+
+def test_sigterm_on_a_stage_stops_every_rank_with_a_checkpoint_of_the_stages(runs):
+    """Run T: SIGTERM to rank 3 (stage 1) before step 3: every rank of both stages stops at global step 3, saves
+    and exits with 143 within 30 s; the checkpoint records the whole model (every stage's true shapes, the dense
+    root)."""
+    out, ended = runs, statuses(runs, "train")
+    log = "".join((out / f"train.log{r}").read_text() for r in range(4))
+    assert ended == [128 + signal.SIGTERM] * 4, f"exit statuses {ended}:\n{tails(out, 'train')}"
+    saved = out / "preempted.ckpt"
+    assert (
+        f"tensor3d: rank 3 received SIGTERM; every rank stopped at global step 3 and saved a checkpoint to {saved}"
+        in log
+    ), log[-3000:]
+    signalled = float((out / "signalled_at").read_text())
+    exits = [float((out / f"T.exit{r}").read_text()) for r in range(4)]
+    assert max(exits) - signalled < 30, (
+        f"ranks exited {[round(e - signalled, 1) for e in exits]} s after the signal"
+    )
+    record = ckpt.read_record(saved)
+    assert (record["pipeline_size"], record["grid"], record["world_size"]) == (2, [2, 1, 1], 4)
+    assert {"model.transformer.wte.weight", "model.lm_head.weight"} <= record["dense_shapes"].keys(), (
+        f"the record lacks a stage's padded shapes: {sorted(record['dense_shapes'])}"
+    )
+    assert (record["dense_root"]["prefix"], record["dense_root"]["model"]) == ("model.", "DenseGPT")
+
+
+def test_to_dense_of_a_checkpoint_of_stages_is_the_dense_twin(runs, tmp_path):
+    """``to-dense`` of the stages saved at step 3 rebuilds DenseGPT (config from the file) equal to the dense twin
+    after 3 steps, every tensor of both stages."""
+    out = tmp_path / "dense.safetensors"
+    ckpt.main(["to-dense", str(runs / "preempted.ckpt"), str(out)])
+    model = dense_gpt(out, dtype=F64)
+    want = common.dense_reference(3, n_layer=2, tied=False, dtype=F64)["state"]
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    err = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert err < 1e-12, f"to-dense of the stages differs from DenseGPT trained 3 steps by {err:.2e}"
+
+
+def test_a_checkpoint_of_two_stages_resumes_without_stages_on_another_grid(runs):
+    """The preempted pp 2 × 2×1×1 checkpoint resumed on pp 1 × 1×2×1 × dp 2 with ZeRO-1 (model and AdamW state
+    resharded, every stage's tensors read by every rank): steps 4-9 are the uninterrupted dense twin's."""
+    dense = common.dense_reference(9, n_layer=2, tied=False, dtype=F64)
+    for r in records(runs, "S"):
+        assert (r["global_step"], r["stage"], r["grid"], r["dp"]) == (9, 0, [1, 2, 1], 2)
+        assert_close(r["loss"], dense["loss"][3:], f"rank {r['coords']}: losses after resuming", TOL64)
+        assert_close(r["grad_norm"], dense["grad_norm"][3:], f"rank {r['coords']}: gradient norms", TOL64)
+
+
+def test_a_checkpoint_of_two_stages_resumes_on_four(runs):
+    """Q's checkpoint (pp 2 × dp 2, ZeRO-1, two stages a rank) resumed at pp 4 × 1×1×1 (each rank reads one
+    stage's model and AdamW state): its second epoch is the uninterrupted dense twin's steps 4-6."""
+    dense = common.dense_reference(6, n_layer=4, tied=False, dtype=F64)
+    dense = {k: dense[k][3:] for k in ("loss", "grad_norm")}
+    recs = records(runs, "R")
+    assert sorted(r["stage"] for r in recs) == [0, 1, 2, 3]
+    for r in recs:
+        assert r["global_step"] == 6
+        assert_accumulated_steps(r, dense, "resumed at pp 4")
+
+
+def test_a_killed_rank_of_a_stage_fails_every_other_rank_fast(runs):
+    """Run K: rank 2 (stage 1) SIGKILLed inside the schedule of step 5: ranks 0 and 1 (stage 0, waiting for its
+    gradients) and rank 3 (its cube peer) each exit within the 60 s timeout with tensor3d's one line, which a
+    pipeline stage's own error wrapping the failed collective does not hide; the epoch-0 checkpoint is there."""
+    ended = statuses(runs, "resume")
+    assert ended[2] == -signal.SIGKILL, f"rank 2 did not die as planned: {ended}\n{tails(runs, 'resume')}"
+    killed = float((runs / "killed_at").read_text())
+    for rank in (0, 1, 3):
+        log = (runs / f"resume.log{rank}").read_text()
+        assert ended[rank] == 1, f"rank {rank} exited with {ended[rank]}:\n{log[-3000:]}"
+        said = f"tensor3d: a collective failed on rank {rank} of 4 (grid 2×1×1, pipeline stage"
+        assert said in log, log[-3000:]
+        took = float((runs / f"K.exit{rank}").read_text()) - killed
+        assert took < 60, f"rank {rank} took {took:.0f} s to fail (timeout 60 s)"
+    assert ckpt.read_record(runs / "K" / "epoch=0.ckpt")["pipeline_size"] == 2
 
 
 # ----- refusals, without processes -----

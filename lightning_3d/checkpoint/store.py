@@ -33,6 +33,7 @@ from .files import (
 from .publish import publish, remove, staging_path
 from .rng import rng_state
 from .saved_model import check_fits, dense_root
+from .stages import whole_model, whole_param_groups
 from .untrusted import SafeReader, load_dcp, load_weights_only, read_dcp_metadata
 from .views import global_shapes, model_state, sharded_view
 
@@ -47,10 +48,22 @@ def _gather(value, failure: str | None, what: str) -> list:
     return [v for v, _ in gathered]
 
 
+def _dense_layouts(module: nn.Module, grid: Grid) -> dict:
+    """The sharding record's true shapes and layouts of the whole model (every stage's keys). Collective over
+    the ``"pipe"`` group."""
+    own = {
+        "dense_shapes": dense_shapes(module),
+        "dense_transposed": dense_transposed(module),
+        "dense_row_orders": dense_row_orders(module),
+    }
+    return whole_model(own, grid)
+
+
 def _local_files(
-    staging: Path, grid: Grid, module: nn.Module, meta: dict | None, allowed: Sequence[type]
+    staging: Path, grid: Grid, module: nn.Module, layouts: dict, meta: dict | None, allowed: Sequence[type]
 ) -> None:
-    """Write this rank's RNG file and, on rank 0, the sharding record (``layout.json``) and ``meta.pt``."""
+    """Write this rank's RNG file and, on rank 0, the sharding record (``layout.json``, with ``layouts`` of
+    :func:`_dense_layouts`) and ``meta.pt``."""
     rank = dist.get_rank()
     manifest.write_durably(staging / rng_file(rank), json.dumps(rng_state()).encode())
     if rank:
@@ -59,10 +72,9 @@ def _local_files(
         "format": FORMAT,
         "grid": list(grid.shape),
         "data_parallel_size": grid.data_parallel_size,
+        "pipeline_size": grid.pipeline_size,
         "world_size": dist.get_world_size(),
-        "dense_shapes": dense_shapes(module),
-        "dense_transposed": dense_transposed(module),
-        "dense_row_orders": dense_row_orders(module),
+        **layouts,
         "dense_root": dense_root(module),
     }
     manifest.write_durably(staging / RECORD_FILE, json.dumps(record, indent=1, default=str).encode())
@@ -88,7 +100,9 @@ def save(
 
     Args:
         tensors: ``{"state_dict": model_state(...), "optimizer_0": {"state": ...}, ...}`` (DCP).
-        module: the saved module (its dense shapes and dense root go into ``layout.json``).
+        module: the saved module (its dense shapes and dense root go into ``layout.json``); with pipeline
+            stages, this rank's stages (each rank's ``tensors`` under the whole model's keys: the
+            stages' true shapes are gathered over the ``"pipe"`` group, :mod:`.stages`).
         meta: anything else to keep (``meta.pt``, read back with weights-only unpickling:
             tensors, plain containers, numbers, strings, and the classes in ``allowed``).
 
@@ -109,8 +123,9 @@ def save(
             failure = f"cannot create {staging}: {e}"
     _gather(None, failure, f"cannot save a checkpoint at {path}")
     dcp.save(tensors, checkpoint_id=staging)
+    layouts = _dense_layouts(module, grid)
     try:
-        _local_files(staging, grid, module, meta, allowed)
+        _local_files(staging, grid, module, layouts, meta, allowed)
     except OSError as e:
         failure = f"cannot write its files into {staging}: {e}"
     _gather(None, failure, f"no checkpoint was written at {path}")
@@ -157,9 +172,13 @@ def load_meta(path: str | Path, trusted: bool = False, allowed: Sequence[type] =
 
 
 def load_rng_state(path: str | Path, grid: Grid) -> dict:
-    """This rank's saved RNG state when the checkpoint was written on the same grid, else rank 0's."""
+    """This rank's saved RNG state when the checkpoint was written on the same grid (and stages), else rank 0's."""
     record = read_record(path)
-    same = record["grid"] == list(grid.shape) and record["data_parallel_size"] == grid.data_parallel_size
+    same = (
+        record["grid"] == list(grid.shape)
+        and record["data_parallel_size"] == grid.data_parallel_size
+        and record.get("pipeline_size", 1) == grid.pipeline_size
+    )
     name = rng_file(dist.get_rank() if same else 0)
     manifest.verify(path, [name])
     try:
@@ -215,18 +234,28 @@ def load_model_(module: nn.Module, grid: Grid, path: str | Path, strict: bool = 
     model's true shapes against the module's; :class:`CheckpointError` names what differs.
     ``strict=False`` loads the tensors both have (shapes must still agree). Keys are matched
     through :func:`saved_key` (a model saved inside a LightningModule loads into the bare model,
-    and the reverse). Submodules with extra state get theirs through ``set_extra_state``.
+    and the reverse). Submodules with extra state get theirs through ``set_extra_state``. With
+    pipeline stages, ``module`` holds this rank's stages and the checks are of the whole model
+    (keys and shapes gathered over the ``"pipe"`` group); each rank reads its own stages' tensors, so
+    a checkpoint of any pipeline size loads.
     """
     path = Path(path)
     metadata = verified_metadata(path, collective=True)
     record = json.loads((path / RECORD_FILE).read_text())
     key = saved_key(path, module)
+    own = whole_model(
+        {
+            "shapes": {key(k): v for k, v in global_shapes(module).items()},
+            "dense_shapes": {key(k): v for k, v in dense_shapes(module).items()},
+        },
+        grid,
+    )
     check_fits(
         path,
         saved_shapes(metadata, MODEL_KEY),
         record.get("dense_shapes", {}),
-        {key(k): v for k, v in global_shapes(module).items()},
-        {key(k): v for k, v in dense_shapes(module).items()},
+        own["shapes"],
+        own["dense_shapes"],
         strict,
     )
     state = {
@@ -264,22 +293,25 @@ def load_optimizer_(
     Args:
         names: parameter names, as :func:`parameter_names` returns them.
         param_groups: the saved ``param_groups`` of :func:`optimizer_state` (hyper-parameters are
-            restored by group position; the groups must hold the same parameter names).
+            restored by group position; the groups must hold the same parameter names), with pipeline
+            stages those of the whole model (:func:`~.stages.whole_param_groups`): each stage's optimizer
+            holds its own parameters, and the stages' groups together must hold the saved names.
         holds_state: whether this rank keeps the state of a parameter (a ZeRO partition).
     """
     key = optimizer_key(index)
-    if len(param_groups) != len(optimizer.param_groups):
+    own = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    whole = whole_param_groups([{"params": n} for n in own], grid)
+    if len(param_groups) != len(whole):
         raise CheckpointError(
-            f"{key}: the checkpoint has {len(param_groups)} param groups, the optimizer {len(optimizer.param_groups)}"
+            f"{key}: the checkpoint has {len(param_groups)} param groups, the optimizer {len(whole)}"
         )
     by_name = {}
-    for saved, group in zip(param_groups, optimizer.param_groups):
-        own = [names[id(p)] for p in group["params"]]
-        if sorted(own) != sorted(saved["params"]):
+    for saved, mine, group in zip(param_groups, whole, optimizer.param_groups):
+        if sorted(mine["params"]) != sorted(saved["params"]):
             raise CheckpointError(
-                f"{key}: a param group holds {own} but the checkpoint's holds {saved['params']}"
+                f"{key}: a param group holds {mine['params']} but the checkpoint's holds {saved['params']}"
             )
-        by_name.update(zip(own, group["params"]))
+        by_name.update(zip((names[id(p)] for p in group["params"]), group["params"]))
     prefix = f"{key}.state."
     reader = SafeReader(str(path))
     wanted: dict[str, dict] = {}

@@ -49,7 +49,7 @@ from .precision import on_grid
 from .preemption import StopOnPreemption
 from .replicas import GridReplicas
 from .resume import resume_point, skip_message
-from .stages import built_for_stages, checked_pipeline, drop_unsplit, into_stages, refuse_checkpoints
+from .stages import built_for_stages, checked_pipeline, drop_unsplit, into_stages
 from .summary import SummariseGlobally
 
 FITTING = "fit"  # TrainerFn.FITTING, a str enum in both namespaces
@@ -222,7 +222,6 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
             )
         if self.pipeline is not None:
             with same_on_every_rank():
-                refuse_checkpoints(self.pipeline_size, bool(trainer.checkpoint_callbacks))
                 into_stages(
                     self.lightning_module,
                     self.grid,
@@ -282,8 +281,6 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
                 "Tensor3DStrategy.save_checkpoint does not take storage_options: it writes with "
                 "torch.distributed.checkpoint"
             )
-        with same_on_every_rank():
-            refuse_checkpoints(self.pipeline_size, True)
         path = Path(self.broadcast(str(filepath)))
         if resume_point(path, checkpoint) == self._resumed_from:
             self.info(skip_message(path))
@@ -297,8 +294,6 @@ class Tensor3DMixin(ReportFailuresOnce, StopOnPreemption, SummariseGlobally, Gri
         A checkpoint Fabric wrote (``Tensor3DFabricStrategy``) gives the model and optimizers; the
         loops and LR schedulers start afresh (Fabric keeps no Lightning loop state).
         """
-        with same_on_every_rank():
-            refuse_checkpoints(self.pipeline_size, True)
         path = Path(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
         fitting = module.trainer.state.fn == FITTING

@@ -8,7 +8,8 @@ through :func:`save_sharded` and :func:`load_sharded`, so either reads what the 
   model saved inside a LightningModule and of the bare model differ by its dense root's prefix:
   :func:`lightning_3d.checkpoint.store.saved_key` maps them);
 - everything else in ``meta.pt`` (weights-only unpickling on load, allowing :data:`META_CLASSES`),
-  with each optimizer's param groups (parameters by name) under :data:`PARAM_GROUPS_KEY`.
+  with each optimizer's param groups (parameters by name; with pipeline stages, every stage's
+  parameters: :func:`lightning_3d.checkpoint.stages.whole_param_groups`) under :data:`PARAM_GROUPS_KEY`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from .. import checkpoint as ckpt
+from ..checkpoint.stages import whole_param_groups
 from ..checkpoint.store import saved_key
 from ..grid import Grid
 from ..models.config import GPTConfig
@@ -52,7 +54,7 @@ def save_sharded(
     tensors = {ckpt.MODEL_KEY: model_state}
     for i, state in enumerate(optimizer_states):
         tensors[ckpt.optimizer_key(i)] = {"state": state["state"]}
-    groups = [state["param_groups"] for state in optimizer_states]
+    groups = [whole_param_groups(state["param_groups"], grid) for state in optimizer_states]
     ckpt.save(path, tensors, grid, module, meta={**meta, PARAM_GROUPS_KEY: groups}, allowed=META_CLASSES)
 
 

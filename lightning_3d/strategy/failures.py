@@ -6,7 +6,9 @@
   exits with one line that still names the error.
 - A collective that fails because a peer died or stalled: every surviving rank says so in one
   line, naming the grid, the timeout and how to resume, and exits; the rank that failed first
-  shows its own error.
+  shows its own error. The failed collective may be the cause of another error (a pipeline
+  schedule raises its own naming the stage whose forward or backward failed): it is found among
+  the exception's causes.
 """
 
 from __future__ import annotations
@@ -53,6 +55,23 @@ def is_collective_failure(exception: BaseException) -> bool:
     )
 
 
+def failed_collective(exception: BaseException) -> BaseException | None:
+    """The failed collective (:func:`is_collective_failure`) that is ``exception`` or one of its causes, or None."""
+    seen: set[int] = set()
+    while exception is not None and id(exception) not in seen:
+        if is_collective_failure(exception):
+            return exception
+        seen.add(id(exception))
+        exception = exception.__cause__ or exception.__context__
+    return None
+
+
+def _first_line(exception: BaseException) -> str:
+    return next(
+        (line.strip() for line in str(exception).splitlines() if line.strip()), type(exception).__name__
+    )
+
+
 def is_same_on_every_rank(exception: BaseException) -> bool:
     """A :class:`ConfigurationError`, or Lightning's ``MisconfigurationException`` (its checks of the module and
     the Trainer's settings, made alike on every rank; matched by name, as each Lightning namespace has its own)."""
@@ -73,14 +92,21 @@ class ReportFailuresOnce:
                 flush=True,
             )
             raise SystemExit(1)
-        if self.world_size > 1 and is_collective_failure(exception):
+        collective = failed_collective(exception) if self.world_size > 1 else None
+        if collective is not None:
             grid = getattr(self, "_grid", None)
             px, py, pz = grid.shape if grid is not None else ("?", "?", "?")
+            stage = (
+                f", pipeline stage {grid.stage} of {grid.pipeline_size}"
+                if grid and grid.pipeline_size > 1
+                else ""
+            )
             print(
-                f"tensor3d: a collective failed on rank {self.global_rank} of {self.world_size} (grid {px}×{py}×{pz}, "
+                f"tensor3d: a collective failed on rank {self.global_rank} of {self.world_size} "
+                f"(grid {px}×{py}×{pz}{stage}, "
                 f"timeout {self._timeout.total_seconds():.0f} s): another rank died or stalled. The run cannot go on; "
                 "restart it with Trainer.fit(..., ckpt_path=<last checkpoint>). Cause: "
-                f"{str(exception).splitlines()[0]}",
+                f"{_first_line(collective)}",
                 file=sys.stderr,
                 flush=True,
             )

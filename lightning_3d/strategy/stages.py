@@ -14,7 +14,9 @@ averages them over dp, and clipping (by the norm over every stage's cube) and th
 follow as without stages. ``validation_step`` calls the model the same way: forward passes only.
 Under mixed precision the schedule runs each stage's forward under the step's autocast, one
 micro-batch at a time, and an fp16 loss scaler's scale reaches the schedule's backward
-(:func:`loss_scale_of`).
+(:func:`loss_scale_of`). Checkpoints are the strategies' as without stages: each rank saves its
+stages' tensors under the whole model's names, so a checkpoint loads at any pipeline size and grid
+(:mod:`lightning_3d.checkpoint.stages`).
 """
 
 from __future__ import annotations
@@ -112,15 +114,6 @@ def into_stages(module: nn.Module, grid: Grid, split: Callable[[nn.Module], nn.M
     model = getattr(module, name)
     if not isinstance(model, PipelinedModel):
         setattr(module, name, split(model))
-
-
-def refuse_checkpoints(pipeline_size: int, asked: bool) -> None:
-    """``ValueError`` when a checkpoint is ``asked`` for with pipeline stages: not written or read yet."""
-    if pipeline_size > 1 and asked:
-        raise ValueError(
-            f"sharded checkpoints of pipeline stages (pipeline_size={pipeline_size}) are not written or read yet: "
-            "pass Trainer(enable_checkpointing=False) and no ckpt_path"
-        )
 
 
 def drop_unsplit(module: nn.Module) -> None:

@@ -84,7 +84,8 @@ def module_class(namespace: str):
 
     class LitGPT(pl.LightningModule):
         """``workers > 0``: the training data is loaded by that many worker processes, which draw a random
-        number a sample. ``pipeline``: the plain DenseGPT, untied, which the strategy splits into pipeline stages."""
+        number a sample. ``pipeline``: the plain DenseGPT, untied, which the strategy splits into pipeline stages;
+        ``untied``: GPT3D untied, as such a model without stages."""
 
         def __init__(
             self,
@@ -93,6 +94,7 @@ def module_class(namespace: str):
             global_batch: int = GLOBAL_BATCH,
             n_layer: int = 1,
             pipeline: bool = False,
+            untied: bool = False,
         ):
             super().__init__()
             self.save_hyperparameters()
@@ -112,7 +114,7 @@ def module_class(namespace: str):
                 torch.manual_seed(INIT_SEED)
                 model = DenseGPT if self.hparams.pipeline else GPT3D
                 hp = self.hparams
-                self.model = model(config(hp.dropout, hp.n_layer, tied=not hp.pipeline))
+                self.model = model(config(hp.dropout, hp.n_layer, tied=not (hp.pipeline or hp.untied)))
 
         def train_dataloader(self):
             workers = self.hparams.workers
@@ -173,13 +175,16 @@ def fit(
     n_layer=1,
     pipeline=False,
     accumulate=1,
+    checkpoints=True,
+    untied=False,
 ):
-    """One ``Trainer.fit`` with a checkpoint at every epoch end under ``ckpt_dir`` (default ``out/name``; none with
-    ``pipeline``); writes ``out/name.rank<r>.json``.
+    """One ``Trainer.fit`` with a checkpoint at every epoch end under ``ckpt_dir`` (default ``out/name``; none
+    without ``checkpoints``); writes ``out/name.rank<r>.json``.
 
     ``summary``: Lightning's model summary table, printed by rank 0. ``workers``: dataloader worker processes.
     ``global_batch``: sequences a step over all replicas (a batch, with ``accumulate`` batches a step).
-    ``pipeline``: the LightningModule builds the plain DenseGPT of ``n_layer`` layers, which the strategy splits.
+    ``pipeline``: the LightningModule builds the plain DenseGPT of ``n_layer`` layers, untied, which the strategy
+    splits; ``untied``: GPT3D untied (it loads a checkpoint of such stages).
     """
     pl = importlib.import_module(namespace)
     save_every_epoch = importlib.import_module(f"{namespace}.callbacks").ModelCheckpoint(
@@ -196,11 +201,11 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=summary,
         default_root_dir=out,
-        callbacks=[*([] if pipeline else [save_every_epoch]), *callbacks],
-        enable_checkpointing=not pipeline,
+        callbacks=[*([save_every_epoch] if checkpoints else []), *callbacks],
+        enable_checkpointing=checkpoints,
         accumulate_grad_batches=accumulate,
     )
-    module = module_class(namespace)(dropout, workers, global_batch, n_layer, pipeline)
+    module = module_class(namespace)(dropout, workers, global_batch, n_layer, pipeline, untied)
     trainer.fit(module, ckpt_path=ckpt_path)
     strategy = trainer.strategy
     record = {
@@ -227,11 +232,22 @@ def validate_keeps_shards(trainer, module) -> dict:
 
 
 def dense_reference(
-    steps: int, dropout: float = 0.0, global_batch: int = GLOBAL_BATCH, n_layer: int = 1, tied: bool = True
+    steps: int,
+    dropout: float = 0.0,
+    global_batch: int = GLOBAL_BATCH,
+    n_layer: int = 1,
+    tied: bool = True,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
-    """Losses, pre-clip gradient norms and final state of DenseGPT on the same global batches."""
+    """Losses, pre-clip gradient norms and final state of DenseGPT on the same global batches; ``dtype``: the
+    default dtype it is built in (``float64``: as ``Trainer(precision="64-true")`` builds it)."""
     torch.manual_seed(INIT_SEED)
-    model = DenseGPT(config(dropout, n_layer, tied))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = DenseGPT(config(dropout, n_layer, tied))
+    finally:
+        torch.set_default_dtype(previous)
     opt, sched = optimizers(model.parameters())
     data = Tokens()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=SEED)

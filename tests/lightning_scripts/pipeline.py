@@ -1,14 +1,36 @@
-"""Driver: ``Trainer.fit`` with pipeline stages in one launched world of 4 (``python pipeline.py world4 OUT`` on
-each rank, as ``suite.py``); test_strategy_pipeline.py judges the records.
+"""Driver: ``Trainer.fit`` with pipeline stages in launched worlds of 4 (``python pipeline.py MODE OUT`` on each rank,
+as ``suite.py``); test_strategy_pipeline.py judges the records and exit statuses.
+
+``train``, every rank exiting with 143 (T's stop):
 
 - P: pp 2 × 2×1×1, 1F1B, two layers (one a stage), 2 epochs (model summary printed), then ``validate``
   through the pipeline.
 - Q: pp 2 × 1×1×1 × dp 2 with ZeRO-1, Interleaved1F1B (four layers, two stages a rank), two
-  micro-batches, batches of 4 sequences accumulated two to a step, 1 epoch.
+  micro-batches, batches of 4 sequences accumulated two to a step, 1 epoch, a checkpoint at its end.
+- R: Q resumed from that checkpoint at pp 4 × 1×1×1 (1F1B, a layer a stage) for another epoch.
+- T: as P, 3 epochs; rank 3 (stage 1) sends itself SIGTERM before step 3 (noting the time in
+  ``OUT/signalled_at``): every rank must stop at global step 3, save ``OUT/preempted.ckpt`` and
+  exit with status 143.
+
+``resume``, rank 2 dying and every other rank exiting with 1 (K's failure):
+
+- S: ``OUT/preempted.ckpt`` resumed without stages on 1×2×1 × dp 2 with ZeRO-1 (the untied GPT3D), to
+  3 epochs.
+- K: as P, 3 epochs, a checkpoint at every epoch end; rank 2 (stage 1) SIGKILLs itself inside the
+  schedule of step 5, at its second micro-batch's forward, once its stage has handed the first
+  micro-batch's gradient back (noting the time in ``OUT/killed_at``). Every other rank must fail
+  within the 60 s timeout with tensor3d's message.
+
+Q, R, S, T and K run in float64 (``precision="64-true"``). T and K note each rank's exit time in
+``OUT/<run>.exit<rank>``.
 """
 
+import atexit
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -17,14 +39,63 @@ import common
 
 common.quiet()
 
+import lightning.pytorch as pl
 
-def main(out: Path) -> None:
-    import lightning.pytorch as pl
+from lightning_3d import Tensor3DStrategy
+from lightning_3d.pipeline import PipelineOptions
 
-    from lightning_3d import Tensor3DStrategy
-    from lightning_3d.pipeline import PipelineOptions
+SIGNAL_RANK, SIGNAL_STEP = 3, 2
+KILL_RANK, KILL_STEP = 2, 4
+TIMEOUT_S = 60
+F64 = "64-true"
 
-    pl.seed_everything(common.SEED)
+
+class StopRank(pl.Callback):
+    """SIGTERM (run T) or SIGKILL inside the schedule (run K) on one rank; every rank notes its exit time."""
+
+    def __init__(self, out: Path, run: str):
+        self.out, self.run = out, run
+
+    def on_train_start(self, trainer, module):
+        rank = trainer.global_rank
+        atexit.register(lambda: (self.out / f"{self.run}.exit{rank}").write_text(str(time.time())))
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        rank, step = trainer.global_rank, trainer.global_step
+        if self.run == "T" and (rank, step) == (SIGNAL_RANK, SIGNAL_STEP):
+            (self.out / "signalled_at").write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.run == "K" and (rank, step) == (KILL_RANK, KILL_STEP):
+            forwards = []
+
+            def die_at_the_second(layer, args):
+                forwards.append(layer)
+                if len(forwards) == 2:
+                    (self.out / "killed_at").write_text(str(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            next(iter(module.model.transformer.h)).register_forward_pre_hook(die_at_the_second)
+
+
+def two_stages_of_two(out: Path, run: str, **kwargs) -> None:
+    """Runs T and K: pp 2 × 2×1×1, two layers, 3 epochs, float64, rank ``SIGNAL_RANK`` or ``KILL_RANK`` stopping."""
+    strategy = Tensor3DStrategy(grid=(2, 1, 1), pipeline_size=2, timeout=TIMEOUT_S, **kwargs)
+    common.fit(
+        "lightning.pytorch",
+        out,
+        run,
+        strategy,
+        epochs=3,
+        devices=4,
+        n_layer=2,
+        pipeline=True,
+        callbacks=[StopRank(out, run)],
+        checkpoints=run == "K",
+        precision=F64,
+    )
+
+
+def train(out: Path) -> None:
     trainer, module = common.fit(
         "lightning.pytorch",
         out,
@@ -35,27 +106,54 @@ def main(out: Path) -> None:
         n_layer=2,
         pipeline=True,
         summary=True,
+        checkpoints=False,
     )
     validated = common.validate_keeps_shards(trainer, module)
     (out / f"validate.rank{trainer.global_rank}.json").write_text(json.dumps(validated))
+    accumulated = dict(
+        n_layer=4, pipeline=True, global_batch=common.GLOBAL_BATCH // 2, accumulate=2, precision=F64
+    )
+    interleaved = PipelineOptions(schedule="Interleaved1F1B", n_microbatches=2)
     common.fit(
         "lightning.pytorch",
         out,
         "Q",
-        Tensor3DStrategy(
-            grid=(1, 1, 1),
-            pipeline_size=2,
-            pipeline=PipelineOptions(schedule="Interleaved1F1B", n_microbatches=2),
-            zero_stage=1,
-        ),
+        Tensor3DStrategy(grid=(1, 1, 1), pipeline_size=2, pipeline=interleaved, zero_stage=1),
         epochs=1,
         devices=4,
-        n_layer=4,
-        pipeline=True,
-        global_batch=common.GLOBAL_BATCH // 2,
-        accumulate=2,
+        **accumulated,
     )
+    common.fit(
+        "lightning.pytorch",
+        out,
+        "R",
+        Tensor3DStrategy(grid=(1, 1, 1), pipeline_size=4),
+        epochs=2,
+        devices=4,
+        ckpt_path=out / "Q" / "epoch=0.ckpt",
+        checkpoints=False,
+        **accumulated,
+    )
+    two_stages_of_two(out, "T", checkpoint_on_preemption=out / "preempted.ckpt")
+
+
+def resume(out: Path) -> None:
+    common.fit(
+        "lightning.pytorch",
+        out,
+        "S",
+        Tensor3DStrategy(grid=(1, 2, 1), zero_stage=1),
+        epochs=3,
+        devices=4,
+        ckpt_path=out / "preempted.ckpt",
+        n_layer=2,
+        untied=True,
+        checkpoints=False,
+        precision=F64,
+    )
+    two_stages_of_two(out, "K")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[2]))
+    pl.seed_everything(common.SEED)
+    {"train": train, "resume": resume}[sys.argv[1]](Path(sys.argv[2]))
