@@ -172,10 +172,10 @@ def test_to_dense_of_a_checkpoint_of_stages_is_the_dense_twin(runs, tmp_path):
 
 def test_a_checkpoint_of_two_stages_resumes_without_stages_on_another_grid(runs):
     """The preempted pp 2 × 2×1×1 checkpoint resumed on pp 1 × 1×2×1 × dp 2 with ZeRO-1 (model and AdamW state
-    resharded, every stage's tensors read by every rank): steps 4-9 are the uninterrupted dense twin's."""
-    dense = common.dense_reference(9, n_layer=2, tied=False, dtype=F64)
+    resharded, every stage's tensors read by every rank): steps 4-6 are the uninterrupted dense twin's."""
+    dense = common.dense_reference(6, n_layer=2, tied=False, dtype=F64)
     for r in records(runs, "S"):
-        assert (r["global_step"], r["stage"], r["grid"], r["dp"]) == (9, 0, [1, 2, 1], 2)
+        assert (r["global_step"], r["stage"], r["grid"], r["dp"]) == (6, 0, [1, 2, 1], 2)
         assert_close(r["loss"], dense["loss"][3:], f"rank {r['coords']}: losses after resuming", TOL64)
         assert_close(r["grad_norm"], dense["grad_norm"][3:], f"rank {r['coords']}: gradient norms", TOL64)
 
@@ -193,9 +193,9 @@ def test_a_checkpoint_of_two_stages_resumes_on_four(runs):
 
 
 def test_a_killed_rank_of_a_stage_fails_every_other_rank_fast(runs):
-    """Run K: rank 2 (stage 1) SIGKILLed inside the schedule of step 5: ranks 0 and 1 (stage 0, waiting for its
+    """Run K: rank 2 (stage 1) SIGKILLed inside the schedule of step 2: ranks 0 and 1 (stage 0, waiting for its
     gradients) and rank 3 (its cube peer) each exit within the 60 s timeout with tensor3d's one line, which a
-    pipeline stage's own error wrapping the failed collective does not hide; the epoch-0 checkpoint is there."""
+    pipeline stage's own error wrapping the failed collective does not hide."""
     ended = statuses(runs, "resume")
     assert ended[2] == -signal.SIGKILL, f"rank 2 did not die as planned: {ended}\n{tails(runs, 'resume')}"
     killed = float((runs / "killed_at").read_text())
@@ -206,7 +206,6 @@ def test_a_killed_rank_of_a_stage_fails_every_other_rank_fast(runs):
         assert said in log, log[-3000:]
         took = float((runs / f"K.exit{rank}").read_text()) - killed
         assert took < 60, f"rank {rank} took {took:.0f} s to fail (timeout 60 s)"
-    assert ckpt.read_record(runs / "K" / "epoch=0.ckpt")["pipeline_size"] == 2
 
 
 # ----- refusals, without processes -----

@@ -4,8 +4,10 @@ A checkpoint is a directory, visible only once complete (:mod:`.publish`):
 
 - ``.metadata`` and ``__<r>_<i>.distcp`` (DCP): ``state_dict.<name>`` for every entry of the
   module's state dict, ``optimizer_<i>.state.<param name>.<key>`` for optimizer state, each 3-D
-  tensor as a DTensor view of its ShardSpec (:mod:`.views`). Any grid reads any part back. A
-  module's extra state is kept as a tensor or as its JSON text (:mod:`.extra_state`).
+  tensor as a DTensor view of its ShardSpec (:mod:`.views`). Any grid reads any part back, at any
+  pipeline size: each rank of pipeline stages saves and reads its stages' tensors under the whole
+  model's names (:mod:`.stages`). A module's extra state is kept as a tensor or as its JSON text
+  (:mod:`.extra_state`).
 - ``layout.json``, the sharding record: the grid it was written on, the model's true shapes and layouts and
   its dense root (:mod:`.saved_model`).
 - ``rng/<rank>.json``: each rank's RNG states (:mod:`.rng`).

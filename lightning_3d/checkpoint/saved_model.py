@@ -1,13 +1,13 @@
 """A checkpoint's sharding record, ``layout.json``: the grid it was written on and the model's true
 shapes; the check that a checkpoint fits the model it is loaded into.
 
-``layout.json`` holds ``grid``, ``data_parallel_size``, ``world_size``, ``dense_shapes`` (the true
-shape of every key whose global tensor differs: GPT3D's padded vocabulary rows, fused weights
-viewed as groups), ``dense_transposed`` (the keys the dense twin stores transposed: Hugging Face
-``Conv1D`` weights, ``[in, out]``), ``dense_row_orders`` (the keys whose dense twin orders the rows
-otherwise: LitGPT's grouped query heads; all three as :mod:`lightning_3d.dense_twin` collects them)
-and ``dense_root``: the model inside the saved module (its
-state-dict ``prefix``, class and config, see :func:`dense_root`), so the dense twin's keys,
+``layout.json`` holds ``grid``, ``data_parallel_size``, ``pipeline_size``, ``world_size``,
+``dense_shapes`` (the true shape of every key whose global tensor differs, of every pipeline stage:
+GPT3D's padded vocabulary rows, fused weights viewed as groups), ``dense_transposed`` (the keys the
+dense twin stores transposed: Hugging Face ``Conv1D`` weights, ``[in, out]``), ``dense_row_orders``
+(the keys whose dense twin orders the rows otherwise: LitGPT's grouped query heads; all three as
+:mod:`lightning_3d.dense_twin` collects them) and ``dense_root``: the model inside the saved module
+(its state-dict ``prefix``, class and config, see :func:`dense_root`), so the dense twin's keys,
 layouts and hyper-parameters are known without the model.
 """
 
