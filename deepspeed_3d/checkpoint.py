@@ -7,6 +7,11 @@ shards come from DeepSpeed's own ``zero_to_fp32`` reader (fp32 master weights) r
 files alone, or from the module state without ZeRO; the sharding record the engine saved in the checkpoint
 (:mod:`deepspeed_3d.sharding_record`) then places every shard in the global tensor.
 
+With pipeline stages the model-parallel rank is ``stage · px·py·pz + r``, and the module's state is in
+DeepSpeed's layer files instead, one per stage ``s`` and cube rank ``r``:
+``layer_{s:02d}-model_{r:02d}-model_states.pt``, each stage's module under the whole model's names
+(:func:`stage_state_dicts`); each stage's record is in its cube rank 0's model states.
+
 DeepSpeed unpickles its files with ``weights_only=False``. So before anything reads a tag, every
 ``*.pt`` file of it is read once with weights-only unpickling (:func:`check_files`), allowing only
 the few DeepSpeed types its files hold (:func:`deepspeed_globals`): a file naming anything else is
@@ -115,7 +120,8 @@ def to_dense(
 ) -> dict[str, torch.Tensor]:
     """The dense state dict of a DeepSpeed 3-D checkpoint, in one process (no process group needed).
 
-    Every file is read weights-only first (:func:`read_record`); DeepSpeed's ZeRO reader follows.
+    Every file is read weights-only first (:func:`read_record`); DeepSpeed's ZeRO reader follows (with
+    pipeline stages, every stage's layer files in their stead).
 
     Args:
         checkpoint_dir: the directory given to ``engine.save_checkpoint``.
@@ -132,13 +138,47 @@ def to_dense(
         )
     prefix = root_info(record.get("dense_root"), prefix)["prefix"]
     grid = _offline_grid(record)
+    pp = record.get("pipeline_size", 1)
+    out = {}
+    for stage in range(pp):
+        if pp == 1:
+            stage_record, shards = record, [rank_state_dict(path, r) for r in range(grid.cube_size)]
+        else:
+            stage_record, shards = stage_state_dicts(path, stage, grid.cube_size)
+        out.update(_assembled(stage_record, shards, prefix, grid))
+    if not out:
+        raise ValueError(f"{path} holds no model tensors under the prefix {prefix!r}")
+    return out
+
+
+def stage_state_dicts(path: Path, stage: int, cube_size: int) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    """Pipeline stage ``stage``'s sharding record and each cube rank's local state dict of it, in checkpoint
+    directory ``path`` (a tag's).
+
+    The record is in the model-states file of the stage's cube rank 0 (model-parallel rank
+    ``stage · px·py·pz``); the state dicts are DeepSpeed's layer files of the stage,
+    ``layer_{stage:02d}-model_{r:02d}-model_states.pt``: the stage's module as the engine held it, in the
+    model's dtype (DeepSpeed's ZeRO reader does not read pipeline checkpoints).
+    """
+    record = load_file(path / f"mp_rank_{stage * cube_size:02d}_model_states.pt").get(RECORD_KEY)
+    if record is None:
+        raise ValueError(f"{path}: pipeline stage {stage}'s model states carry no {RECORD_KEY!r}")
+    return record, [
+        load_file(path / f"layer_{stage:02d}-model_{r:02d}-model_states.pt") for r in range(cube_size)
+    ]
+
+
+def _assembled(
+    record: dict, shards: list[dict[str, torch.Tensor]], prefix: str, grid: Grid
+) -> dict[str, torch.Tensor]:
+    """The dense tensors of ``shards`` (each cube rank's local state dict) whose keys start with ``prefix``,
+    placed by ``record``, under their keys without ``prefix``."""
     specs, dense_shapes, transposed = (
         record_specs(record),
         record["dense_shapes"],
         set(record.get("dense_transposed", ())),
     )
     orders = record.get("dense_row_orders", {})
-    shards = [rank_state_dict(path, r) for r in range(grid.cube_size)]
     out = {}
     for key, value in shards[0].items():
         if not key.startswith(prefix):
@@ -155,8 +195,6 @@ def to_dense(
         out[key[len(prefix) :]] = global_to_dense(
             full, dense_shapes.get(key), key in transposed, orders.get(key)
         )
-    if not out:
-        raise ValueError(f"{path} holds no model tensors under the prefix {prefix!r}")
     return out
 
 

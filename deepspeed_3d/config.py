@@ -8,10 +8,11 @@
 ``options`` (optional): fields of the model's ``lightning_3d.RuntimeOptions`` that ``initialize`` sets
 on every 3-D layer (``lightning_3d.parallel.set_options``); the others stay as the model was built.
 ``pipeline_size`` (optional, default 1): the grid's pipeline stages (``lightning_3d.init_grid(...,
-pipeline_size=pp)``), with ZeRO stage 0 or 1 only, as DeepSpeed's pipeline engine allows; it sets
-the topology (the stages' groups, :class:`~deepspeed_3d.mpu.GridMPU`'s pipeline answers), not a
-DeepSpeed ``PipelineModule``. Every rank of one cube sees the same micro-batch, so DeepSpeed's batch
-arithmetic runs over the data-parallel size ``dp = world / (pp·px·py·pz)``, not over the world size.
+pipeline_size=pp)``), with ZeRO stage 0 or 1 only, as DeepSpeed's pipeline engine allows; above 1,
+:func:`~deepspeed_3d.initialize` splits the model into a DeepSpeed ``PipelineModule`` of that many
+stages (:mod:`deepspeed_3d.pipeline`, which reads DeepSpeed's own ``"pipeline"`` section). Every rank
+of one cube sees the same micro-batch, so DeepSpeed's batch arithmetic runs over the data-parallel size
+``dp = world / (pp·px·py·pz)``, not over the world size.
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+import torch
 from torch import nn
 
+from lightning_3d.grid import Grid
 from lightning_3d.parallel import set_options
 
 from .checkpoint import read_record, tag_dir
@@ -23,6 +25,7 @@ from .config import (
 )
 from .grad_norm_tags import tag_grad_norm_params
 from .mpu import GridMPU
+from .pipeline import StagePipelineModule, pipeline_module, take_pipeline_section
 from .precision import check_precision
 from .sharding_record import RECORD_KEY, check_same_grid, sharding_record
 
@@ -33,10 +36,9 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     The grid is the current one (``lightning_3d.init_grid`` or :func:`init_grid_from_config`, the
     usual order, since the model's 3-D layers are built against it); the config's
     ``"tensor3d": {"grid": [px, py, pz], "pipeline_size": pp}`` section must then agree or be absent.
-    With pipeline stages this sets up their topology only: DeepSpeed's ``PipelineModule`` and
-    pipeline engine are not used, so running a schedule over the stages is the caller's. Without a current
-    grid the section builds it (the model must then be built on that grid already, so this suits
-    models without 3-D layers). The section is removed before DeepSpeed sees the config.
+    Without a current grid the section builds it (the model must then be built on that grid already,
+    so this suits models without 3-D layers, and plain models split into pipeline stages). The section
+    is removed before DeepSpeed sees the config.
 
     ZeRO partitions and gradient averaging run over the data-parallel group; parameters are
     tagged for DeepSpeed's gradient norm (:mod:`deepspeed_3d.grad_norm_tags`); ZeRO-3 leaves
@@ -46,6 +48,15 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     The section's optional ``"options"`` change the model's run-time choices, each field given for
     every 3-D layer (``"options": {"async_tp": true}``: ``lightning_3d.parallel.set_options(model,
     async_tp=True)``).
+
+    With pipeline stages (``pp > 1``) ``model`` is the plain model (not parallelized; built on ``meta``,
+    only this rank's stage is materialised), consumed: this rank's stage of it becomes a DeepSpeed
+    ``PipelineModule`` (:class:`~deepspeed_3d.pipeline.StagePipelineModule`, configured by DeepSpeed's
+    ``"pipeline"`` section, :func:`~deepspeed_3d.pipeline.take_pipeline_section`) and the engine is
+    DeepSpeed's ``PipelineEngine``: train with ``engine.train_batch(data_iter)``, whose iterator yields
+    ``gradient_accumulation_steps`` micro-batches ``(ids, targets)`` of ``train_micro_batch_size_per_gpu``
+    sequences each, the same on every rank of a replica. Its mpu is DeepSpeed's own grid of the same
+    topology; the optimizer comes from the config or a callable of the parameters.
 
     Save and load its checkpoints with :func:`save_checkpoint` / :func:`load_checkpoint`, which
     add the model's sharding record and check it.
@@ -57,15 +68,15 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
         ValueError: ``mpu`` passed, the section disagrees with the grid or its ``"options"`` are
             not ``RuntimeOptions`` fields and values, ZeRO-2/3 on a grid of pipeline stages, the batch
             sizes do not satisfy ``train_batch_size = micro × accumulation × dp``, or training in mixed
-            precision without ZeRO.
+            precision without ZeRO; with pipeline stages, what
+            :func:`~deepspeed_3d.pipeline.take_pipeline_section` and ``split_stages`` refuse,
+            ``model_parameters=`` or an optimizer object (made before the split).
     """
     if "mpu" in kwargs:
         raise ValueError("deepspeed_3d.initialize builds the mpu from the grid; do not pass mpu=")
     config = load_config(config)
     grid = init_grid_from_config(config)
     options = runtime_options(config)
-    if options:
-        set_options(model, **options)
     config.pop(SECTION, None)
     check_zero_stage(config, grid)
     check_batch_size(config, grid)
@@ -74,10 +85,35 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike, 
     ):  # the gradient norm matters only when training
         check_precision(config, grid)
     keep_torch_linear(config)
+    if grid.pipeline_size > 1:
+        return _initialize_pipeline(model, config, grid, options, kwargs)
+    if options:
+        set_options(model, **options)
     tag_grad_norm_params(model, grid)
     engine, optimizer, dataloader, scheduler = deepspeed.initialize(
         model=model, config=config, mpu=GridMPU(grid), **kwargs
     )
+    return engine, optimizer, dataloader, scheduler
+
+
+def _initialize_pipeline(
+    model: nn.Module, config: dict[str, Any], grid: Grid, options: dict[str, Any], kwargs: dict[str, Any]
+) -> tuple:
+    """``deepspeed.initialize`` of this rank's stage of ``model`` as a :class:`StagePipelineModule`
+    (DeepSpeed's ``PipelineEngine``, whose ``PipelineParallelGrid`` of the same topology is the mpu)."""
+    if kwargs.get("model_parameters") is not None or isinstance(
+        kwargs.get("optimizer"), torch.optim.Optimizer
+    ):
+        raise ValueError(
+            "with pipeline stages initialize splits the model, so its parameters exist only after the split: "
+            'leave out model_parameters= and give the optimizer in the config ("optimizer": {...}) or as a '
+            "callable (optimizer=lambda params: torch.optim.AdamW(params, ...))"
+        )
+    split_points = take_pipeline_section(config, grid)
+    module = pipeline_module(model, grid, split_points=split_points, options=options)
+    tag_grad_norm_params(module, grid)
+    engine, optimizer, dataloader, scheduler = deepspeed.initialize(model=module, config=config, **kwargs)
+    module.bind_micro_batches(engine.train_micro_batch_size_per_gpu())
     return engine, optimizer, dataloader, scheduler
 
 
@@ -111,10 +147,16 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, tag: str | None = None,
 
 
 def engine_record(engine) -> dict[str, Any]:
-    """The sharding record of the model of ``engine`` (made by :func:`initialize`)."""
-    if not isinstance(engine.mpu, GridMPU):
-        raise ValueError("the engine was not made by deepspeed_3d.initialize (its mpu is not a GridMPU)")
-    return sharding_record(engine.module, engine.mpu.grid)
+    """The sharding record of the model of ``engine`` (made by :func:`initialize`; with pipeline stages,
+    of this rank's stage)."""
+    if isinstance(engine.mpu, GridMPU):
+        return sharding_record(engine.module, engine.mpu.grid)
+    if isinstance(engine.module, StagePipelineModule):
+        return sharding_record(engine.module, engine.module.grid)
+    raise ValueError(
+        "the engine was not made by deepspeed_3d.initialize (its mpu is not a GridMPU, nor its module "
+        "a StagePipelineModule)"
+    )
 
 
 def check_checkpoint_grid(engine, load_dir: str | os.PathLike, tag: str | None = None) -> None:

@@ -1,9 +1,11 @@
 """A model's sharding record: how its parameters lie on the grid, as plain data a checkpoint can carry.
 
-``{"grid": [px, py, pz], "data_parallel_size": dp, "params": {name: {"global_shape": [...],
-"dims": [[axes of dim 0], ...]}}}`` names, for every sharded parameter (under every name the
-module's state dict uses for it), the :class:`~lightning_3d.sharding.ShardSpec` that places it on
-the grid. Parameters without a spec are replicated over the cube and are not listed.
+``{"grid": [px, py, pz], "data_parallel_size": dp, "pipeline_size": pp, "stage": s, "params": {name:
+{"global_shape": [...], "dims": [[axes of dim 0], ...]}}}`` names, for every sharded parameter (under
+every name the module's state dict uses for it), the :class:`~lightning_3d.sharding.ShardSpec` that
+places it on the grid. Parameters without a spec are replicated over the cube and are not listed.
+With pipeline stages the module is stage ``s``'s (:class:`~deepspeed_3d.pipeline.StagePipelineModule`),
+and each stage's files carry its own record.
 ``"dense_shapes"`` holds the shapes that modules declare for dense export
 (:func:`lightning_3d.dense_twin.dense_shapes`: padded vocabularies, fused weights);
 ``"dense_transposed"`` the keys the dense twin stores transposed
@@ -46,6 +48,8 @@ def sharding_record(module: nn.Module, grid: Grid) -> dict[str, Any]:
     return {
         "grid": list(grid.shape),
         "data_parallel_size": grid.data_parallel_size,
+        "pipeline_size": grid.pipeline_size,
+        "stage": grid.stage,
         "params": params,
         "dense_shapes": dense_shapes(module),
         "dense_transposed": dense_transposed(module),
@@ -64,11 +68,20 @@ def record_specs(record: dict[str, Any]) -> dict[str, ShardSpec]:
 
 
 def check_same_grid(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Raise ``ValueError`` when a checkpoint's grid differs from the running one."""
-    if list(saved["grid"]) != list(current["grid"]):
+    """Raise ``ValueError`` when a checkpoint's grid or pipeline stages differ from the running one's."""
+    if _shape(saved) != _shape(current):
+        (grid, pp), (now, now_pp) = _shape(saved), _shape(current)
         raise ValueError(
-            f"the checkpoint was saved on a {'×'.join(map(str, saved['grid']))} grid but this run uses "
-            f"{'×'.join(map(str, current['grid']))}; DeepSpeed loads shards by model-parallel rank, so run "
-            "on the saved grid, or convert the checkpoint to a dense state dict "
-            "(python -m deepspeed_3d.checkpoint to-dense) and load that"
+            f"the checkpoint was saved on a {'×'.join(map(str, grid))} grid{_stages(pp)} but this run uses "
+            f"{'×'.join(map(str, now))}{_stages(now_pp)}; DeepSpeed loads shards by model-parallel rank (and "
+            "pipeline layers by stage), so run on the saved grid, or convert the checkpoint to a dense state "
+            "dict (python -m deepspeed_3d.checkpoint to-dense) and load that"
         )
+
+
+def _shape(record: dict[str, Any]) -> tuple[list[int], int]:
+    return list(record["grid"]), record.get("pipeline_size", 1)  # records before pipelines had one stage
+
+
+def _stages(pp: int) -> str:
+    return f" in {pp} pipeline stages" if pp > 1 else ""

@@ -5,7 +5,7 @@ broadcast keeps every shard, 5 steps of losses and DeepSpeed's grad norm equal t
 (float32, AdamW, clipping active), save → load into a fresh engine restores every weight bit for bit
 and takes the same next step (to rounding), and the checkpoint converts to the dense state dict.
 DeepSpeed imports slowly and CPU is scarce, so each job checks everything it can on one set of
-engines.
+engines. Pipeline stages under DeepSpeed's pipeline engine: ``test_deepspeed_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -389,31 +389,6 @@ def errors_job(shape, ckpt_root):
     return messages
 
 
-def pipeline_config_job():
-    """The section's ``pipeline_size`` builds a grid of stages; what initialize refuses on it."""
-    import deepspeed_3d
-    import lightning_3d
-    from deepspeed_3d.config import init_grid_from_config
-
-    _local_rank_env()
-    lightning_3d.set_grid(None)
-    shape, section = (2, 1, 1), {"grid": [2, 1, 1], "pipeline_size": 2}
-    grid = init_grid_from_config({**ds_config(shape, 1, 1), "tensor3d": section})
-    out = {"grid": (grid.pipeline_size, grid.stage, grid.data_parallel_size, grid.shape)}
-    bad = {
-        "zero2": {**ds_config(shape, 2, 1), "tensor3d": section},
-        "other_pp": ds_config(shape, 1, 1),
-        "pp_type": {**ds_config(shape, 1, 1), "tensor3d": {**section, "pipeline_size": "2"}},
-    }
-    for what, config in bad.items():
-        try:
-            deepspeed_3d.initialize(model=model_3d(dense_model(0), grid), config=config)
-        except ValueError as e:
-            out[what] = str(e)
-    lightning_3d.destroy_grid(grid)
-    return out
-
-
 def _check_training(results, stages):
     for rank, per_stage in enumerate(results):
         for stage in stages:
@@ -449,31 +424,6 @@ def test_mpu_groups():
         assert r["dp"] == (rank // 2, 2, [rank % 2, rank % 2 + 2])
         assert r["pp"] == (0, 1, [rank]) and r["src"] == cube[0]
         assert not r["sequence_parallel"]
-
-
-def test_pipeline_size_in_the_config():
-    """``"tensor3d": {"pipeline_size": 2}`` builds pp 2 × 2×1×1; ZeRO-2 on it, a section of another pipeline
-    size and a size that is no int are refused, as is the Lightning strategy, which runs no schedule."""
-    import lightning.pytorch as pl
-
-    from deepspeed_3d.strategy.lightning import Tensor3DDeepSpeedStrategy
-    from lightning_3d.strategy.failures import ConfigurationError
-
-    res = harness.run(4, pipeline_config_job)
-    assert [r["grid"] for r in res] == [(2, s, 1, (2, 1, 1)) for s in (0, 0, 1, 1)]
-    for r in res:
-        assert (
-            "ZeRO-2 and ZeRO-3 do not run with pipeline stages" in r["zero2"] and '"stage": 1' in r["zero2"]
-        )
-        assert '"pipeline_size": 1} but the current grid is 2×1×1 in 2 stage(s)' in r["other_pp"]
-        assert "pipeline_size must be a positive int, got '2' (a str)" in r["pp_type"]
-    strategy = Tensor3DDeepSpeedStrategy(
-        config={**ds_config((2, 1, 1), 1, 1), "tensor3d": {"grid": [2, 1, 1], "pipeline_size": 2}}
-    )
-    with pytest.raises(
-        ConfigurationError, match=r"runs no pipeline schedule; use Tensor3DStrategy\(pipeline_size=2"
-    ):
-        pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
 
 
 def test_zero_stages_1x1x2_dp2(tmp_path):

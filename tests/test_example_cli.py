@@ -18,6 +18,7 @@ ROOT = Path(__file__).parent.parent
 EXAMPLES = [
     "train_gpt.py",
     "train_gpt_deepspeed.py",
+    "train_gpt_deepspeed_pipeline.py",
     "quickstart_lightning.py",
     "finetune_hf.py",
     "fabric_litgpt.py",
