@@ -1,6 +1,6 @@
 """Tensor3DStrategy(pipeline_size=...) in real multi-process ``Trainer.fit`` runs (gloo, CPU), judged against DenseGPT.
 
-Two worlds of 4, each rank a process started here (``lightning_scripts/pipeline.py``, whose docstring
+One world of 4, each rank a process started here (``lightning_scripts/pipeline.py``, whose docstring
 names the runs): pp 2 × 2×1×1 under 1F1B, and pp 2 × 1×1×1 × dp 2 with ZeRO-1 under Interleaved1F1B
 with two batches accumulated a step, train as the dense twin (losses, clipped gradient norms), and
 ``validate`` runs through the pipeline. Checkpoints of stages: the latter's resumes at pp 4 ×
@@ -41,36 +41,25 @@ TOL64 = 1e-10
 WORLD_TIMEOUT_S = 300
 
 
-def world(mode: str, out: Path) -> list[int]:
-    """Every rank's exit status of ``pipeline.py MODE`` in a world of 4 (a hang fails the test)."""
-    procs, logs = worlds.start(SCRIPTS / "pipeline.py", 4, out, (mode, str(out)))
-    hung = worlds.wait(procs, WORLD_TIMEOUT_S)
-    assert not hung, f"pipeline.py {mode}: ranks {hung} hung past {WORLD_TIMEOUT_S} s\n{tails(out, mode)}"
-    return [p.returncode for p in procs]
-
-
-def tails(out: Path, mode: str) -> str:
-    return "\n".join(f"--- rank {r} ---\n{worlds.tail(out / f'{mode}.log{r}')}" for r in range(4))
+def tails(out: Path) -> str:
+    return "\n".join(f"--- rank {r} ---\n{worlds.tail(out / f'world4.log{r}')}" for r in range(4))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """The worlds' folder; every rank's exit statuses in ``statuses.json`` (by mode)."""
+    """The world's folder; its ranks' exit statuses in ``statuses.json`` (a hang fails every test)."""
     out = tmp_path_factory.mktemp("pipeline")
-    statuses = {mode: world(mode, out) for mode in ("train", "resume")}
-    (out / "statuses.json").write_text(json.dumps(statuses))
+    procs, _ = worlds.start(SCRIPTS / "pipeline.py", 4, out, ("world4", str(out)))
+    hung = worlds.wait(procs, WORLD_TIMEOUT_S)
+    assert not hung, f"pipeline.py: ranks {hung} hung past {WORLD_TIMEOUT_S} s\n{tails(out)}"
+    (out / "statuses.json").write_text(json.dumps([p.returncode for p in procs]))
     return out
 
 
 def records(out: Path, name: str) -> list[dict]:
     recs = common.read_records(out, name)
-    mode = "resume" if name == "S" else "train"
-    assert len(recs) == 4, f"run {name} wrote {len(recs)} records, expected 4\n{tails(out, mode)}"
+    assert len(recs) == 4, f"run {name} wrote {len(recs)} records, expected 4\n{tails(out)}"
     return recs
-
-
-def statuses(out: Path, mode: str) -> list[int]:
-    return json.loads((out / "statuses.json").read_text())[mode]
 
 
 def test_two_stages_train_as_the_dense_twin(runs):
@@ -90,7 +79,7 @@ def test_model_summary_counts_every_stage(runs):
     from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
     total = sum(p.numel() for p in DenseGPT(common.config(n_layer=2, tied=False)).parameters())
-    log = (runs / "train.log0").read_text()
+    log = (runs / "world4.log0").read_text()
     stated = [line.split(":")[-1].strip() for line in log.splitlines() if "Total params" in line]
     assert stated[:1] == [get_human_readable_count(total).strip()], (
         f"summary: {stated}, the model has {total}"
@@ -134,21 +123,20 @@ def test_zero1_over_dp_interleaved_and_accumulated_as_the_dense_twin(runs):
 
 def test_sigterm_on_a_stage_stops_every_rank_with_a_checkpoint_of_the_stages(runs):
     """Run T: SIGTERM to rank 3 (stage 1) before step 3: every rank of both stages stops at global step 3, saves
-    and exits with 143 within 30 s; the checkpoint records the whole model (every stage's true shapes, the dense
-    root)."""
-    out, ended = runs, statuses(runs, "train")
-    log = "".join((out / f"train.log{r}").read_text() for r in range(4))
-    assert ended == [128 + signal.SIGTERM] * 4, f"exit statuses {ended}:\n{tails(out, 'train')}"
+    and raises ``Preempted`` (exit status 143) within 30 s; the checkpoint records the whole model (every stage's
+    true shapes, the dense root)."""
+    out = runs
+    log = "".join((out / f"world4.log{r}").read_text() for r in range(4))
+    stopped = [json.loads(f.read_text()) for f in sorted(out.glob("T.stopped*"))]
+    assert [s["status"] for s in stopped] == [128 + signal.SIGTERM] * 4, f"{stopped}\n{tails(out)}"
     saved = out / "preempted.ckpt"
     assert (
         f"tensor3d: rank 3 received SIGTERM; every rank stopped at global step 3 and saved a checkpoint to {saved}"
         in log
     ), log[-3000:]
     signalled = float((out / "signalled_at").read_text())
-    exits = [float((out / f"T.exit{r}").read_text()) for r in range(4)]
-    assert max(exits) - signalled < 30, (
-        f"ranks exited {[round(e - signalled, 1) for e in exits]} s after the signal"
-    )
+    took = [round(s["at"] - signalled, 1) for s in stopped]
+    assert max(took) < 30, f"ranks stopped {took} s after the signal"
     record = ckpt.read_record(saved)
     assert (record["pipeline_size"], record["grid"], record["world_size"]) == (2, [2, 1, 1], 4)
     assert {"model.transformer.wte.weight", "model.lm_head.weight"} <= record["dense_shapes"].keys(), (
@@ -196,11 +184,11 @@ def test_a_killed_rank_of_a_stage_fails_every_other_rank_fast(runs):
     """Run K: rank 2 (stage 1) SIGKILLed inside the schedule of step 2: ranks 0 and 1 (stage 0, waiting for its
     gradients) and rank 3 (its cube peer) each exit within the 60 s timeout with tensor3d's one line, which a
     pipeline stage's own error wrapping the failed collective does not hide."""
-    ended = statuses(runs, "resume")
-    assert ended[2] == -signal.SIGKILL, f"rank 2 did not die as planned: {ended}\n{tails(runs, 'resume')}"
+    ended = json.loads((runs / "statuses.json").read_text())
+    assert ended[2] == -signal.SIGKILL, f"rank 2 did not die as planned: {ended}\n{tails(runs)}"
     killed = float((runs / "killed_at").read_text())
     for rank in (0, 1, 3):
-        log = (runs / f"resume.log{rank}").read_text()
+        log = (runs / f"world4.log{rank}").read_text()
         assert ended[rank] == 1, f"rank {rank} exited with {ended[rank]}:\n{log[-3000:]}"
         said = f"tensor3d: a collective failed on rank {rank} of 4 (grid 2×1×1, pipeline stage"
         assert said in log, log[-3000:]

@@ -1,7 +1,5 @@
-"""Driver: ``Trainer.fit`` with pipeline stages in launched worlds of 4 (``python pipeline.py MODE OUT`` on each rank,
-as ``suite.py``); test_strategy_pipeline.py judges the records and exit statuses.
-
-``train``, every rank exiting with 143 (T's stop):
+"""Driver: ``Trainer.fit`` with pipeline stages in one launched world of 4 (``python pipeline.py world4 OUT`` on each
+rank, as ``suite.py``), ending in rank 2's death (K); test_strategy_pipeline.py judges the records and exits.
 
 - P: pp 2 × 2×1×1, 1F1B, two layers (one a stage), 2 epochs (model summary printed), then ``validate``
   through the pipeline.
@@ -10,19 +8,16 @@ as ``suite.py``); test_strategy_pipeline.py judges the records and exit statuses
 - R: Q resumed from that checkpoint at pp 4 × 1×1×1 (1F1B, a layer a stage) for another epoch.
 - T: as P, 3 epochs; rank 3 (stage 1) sends itself SIGTERM before step 3 (noting the time in
   ``OUT/signalled_at``): every rank must stop at global step 3, save ``OUT/preempted.ckpt`` and
-  exit with status 143.
-
-``resume``, rank 2 dying and every other rank exiting with 1 (K's failure):
-
+  raise ``Preempted`` (exit status 143), which each rank catches here, noting its status and the
+  time in ``OUT/T.stopped<rank>``, to run on.
 - S: ``OUT/preempted.ckpt`` resumed without stages on 1×2×1 × dp 2 with ZeRO-1 (the untied GPT3D), to
   2 epochs.
 - K: as P; rank 2 (stage 1) SIGKILLs itself inside the schedule of step 2, at its second
   micro-batch's forward, once its stage has handed the first micro-batch's gradient back (noting the
-  time in ``OUT/killed_at``). Every other rank must fail within the 60 s timeout with tensor3d's
-  message.
+  time in ``OUT/killed_at``). Every other rank must exit within the 60 s timeout with tensor3d's
+  message; each notes when in ``OUT/K.exit<rank>``.
 
-Q, R, S, T and K run in float64 (``precision="64-true"``). T and K note each rank's exit time in
-``OUT/<run>.exit<rank>``.
+Q, R, S, T and K run in float64 (``precision="64-true"``).
 """
 
 import atexit
@@ -43,6 +38,7 @@ import lightning.pytorch as pl
 
 from lightning_3d import Tensor3DStrategy
 from lightning_3d.pipeline import PipelineOptions
+from lightning_3d.strategy.preemption import Preempted
 
 SIGNAL_RANK, SIGNAL_STEP = 3, 2
 KILL_RANK, KILL_STEP = 2, 1
@@ -51,14 +47,15 @@ F64 = "64-true"
 
 
 class StopRank(pl.Callback):
-    """SIGTERM (run T) or SIGKILL inside the schedule (run K) on one rank; every rank notes its exit time."""
+    """SIGTERM (run T) or SIGKILL inside the schedule (run K) on one rank; in K every rank notes its exit time."""
 
     def __init__(self, out: Path, run: str):
         self.out, self.run = out, run
 
     def on_train_start(self, trainer, module):
         rank = trainer.global_rank
-        atexit.register(lambda: (self.out / f"{self.run}.exit{rank}").write_text(str(time.time())))
+        if self.run == "K":
+            atexit.register(lambda: (self.out / f"K.exit{rank}").write_text(str(time.time())))
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         rank, step = trainer.global_rank, trainer.global_step
@@ -95,7 +92,16 @@ def two_stages_of_two(out: Path, run: str, **kwargs) -> None:
     )
 
 
-def train(out: Path) -> None:
+def preempted(out: Path) -> None:
+    """Run T, whose ``Preempted`` every rank catches (see the module doc)."""
+    try:
+        two_stages_of_two(out, "T", checkpoint_on_preemption=out / "preempted.ckpt")
+    except Preempted as stop:
+        stopped = {"status": stop.code, "at": time.time()}
+        (out / f"T.stopped{os.environ['RANK']}").write_text(json.dumps(stopped))
+
+
+def world4(out: Path) -> None:
     trainer, module = common.fit(
         "lightning.pytorch",
         out,
@@ -134,10 +140,7 @@ def train(out: Path) -> None:
         checkpoints=False,
         **accumulated,
     )
-    two_stages_of_two(out, "T", checkpoint_on_preemption=out / "preempted.ckpt")
-
-
-def resume(out: Path) -> None:
+    preempted(out)
     common.fit(
         "lightning.pytorch",
         out,
@@ -156,4 +159,4 @@ def resume(out: Path) -> None:
 
 if __name__ == "__main__":
     pl.seed_everything(common.SEED)
-    {"train": train, "resume": resume}[sys.argv[1]](Path(sys.argv[2]))
+    world4(Path(sys.argv[2]))
