@@ -1,7 +1,9 @@
 """Pipeline stages in real multi-process Fabric loops and mixed precision under stages (gloo, CPU).
 
 One world of 4 (``fabric_scripts/pipeline.py``, its docstring names the runs): Fabric splits the
-plain untied DenseGPT into pp 2 × 2×1×1 stages and trains it in float64 as the dense twin; under
+plain untied DenseGPT into pp 2 × 2×1×1 stages and trains it in float64 as the dense twin; its
+checkpoint resumes at pp 2 × 1×1×1 × dp 2 with ZeRO-1 and gradient accumulation, whose checkpoint
+resumes without stages on 1×2×2, each training on as the uninterrupted dense twin; under
 ``bf16-mixed`` Fabric's and the Trainer's pp 2 runs train as Fabric's run without stages on the
 same cube, and as the float32 dense twin within the tolerances below.
 """
@@ -19,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent / "lightning_scripts"))
 import common
 import worlds
 from test_fabric import LOSS_TOL, SCRIPTS, TOL, assert_close
+
+from lightning_3d import checkpoint as ckpt
 
 # bf16-mixed, 3 AdamW steps: pp 2 against pp 1 (the same computations in another order), and either against
 # the float32 dense twin; updates: the relative L2 distance of all parameters' change over the steps
@@ -55,11 +59,18 @@ def update_distance(got: dict, want: dict, start: dict) -> float:
     return (diff / moved) ** 0.5
 
 
+def assert_parameters(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), f"{what}: parameters {sorted(set(got) ^ set(want))} in one only"
+    err = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert err < TOL, f"{what} differ from the dense twin's by {err:.2e}"
+
+
 @pytest.fixture(scope="module")
 def dense() -> dict:
-    """The dense twin's runs: float64, float32, and its initial state."""
+    """The dense twin's runs: float64 (3, 6 and 9 steps), float32 (3), and its initial state."""
     config = dict(n_layer=2, tied=False)
     return {
+        **{f"f64 {n}": common.dense_reference(n, **config, dtype=torch.float64) for n in (6, 9)},
         "f64": common.dense_reference(3, **config, dtype=torch.float64),
         "f32": common.dense_reference(3, **config),
         "init": common.dense_reference(0, **config)["state"],
@@ -82,10 +93,50 @@ def test_fabric_splits_the_model_into_stages_and_trains_as_the_dense_twin(runs, 
         assert_close(r["loss"], want["loss"], f"FP stage {r['stage']} losses", LOSS_TOL)
         assert_close(r["grad_norm"], want["grad_norm"], f"FP stage {r['stage']} gradient norms", TOL)
     assert max(want["grad_norm"]) > common.CLIP, "clipping never acted: this test could not fail on it"
-    got = parameters(runs, "FP", 2)
-    assert set(got) == set(want["state"])
-    err = max(float((got[k] - want["state"][k]).abs().max()) for k in want["state"])
-    assert err < TOL, f"FP's parameters after 3 steps differ from the dense twin's by {err:.2e}"
+    assert_parameters(parameters(runs, "FP", 2), want["state"], "FP's parameters after 3 steps")
+
+
+def test_what_fabric_setup_returns_holds_the_stages(runs, dense):
+    """FP: the model ``fabric.setup`` returns has this rank's ``PipelinedModel`` as its ``module`` (the object
+    passed in became it), and its ``state_dict()`` holds this rank's stage's shards (the parameters' own
+    tensors) under the whole model's names: the stages' keys are apart and together the dense twin's."""
+    recs = records(runs, "FP")
+    keys = {r["stage"]: r["state_dict"] for r in recs}
+    for r in recs:
+        assert r["module"] == "PipelinedModel", f"fabric_model.module is a {r['module']}"
+        assert r["state_dict"] == r["held"] and r["state_dict_holds_the_shards"], r["state_dict"]
+    assert not set(keys[0]) & set(keys[1]) and set(keys[0]) | set(keys[1]) == set(dense["f64"]["state"])
+
+
+def test_a_checkpoint_of_stages_resumes_on_other_grids_with_zero1_and_accumulation(runs, dense):
+    """``fabric.save`` of FP (pp 2 × 2×1×1) after 3 steps, loaded by FZ at pp 2 × 1×1×1 × dp 2 with ZeRO-1 (two
+    batches a step, the first under ``no_backward_sync``), whose checkpoint after 3 more steps FR loads without
+    stages on 1×2×2: steps 4-6 and 7-9 (losses, clipped gradient norms, every parameter after them) are the
+    uninterrupted float64 dense twin's, so model, AdamW state, LR schedule and step counter came back."""
+    assert ckpt.read_record(runs / "FP.ckpt")["pipeline_size"] == 2
+    ckpt.verify(runs / "FZ.ckpt")
+    for name, steps, grid, dp, stages in (("FZ", 6, [1, 1, 1], 2, 2), ("FR", 9, [1, 2, 2], 1, 1)):
+        want = dense[f"f64 {steps}"]
+        for r in records(runs, name):
+            assert (r["first_step"], r["grid"], r["dp"]) == (steps - 3, grid, dp), r
+            assert_close(r["loss"], want["loss"][-3:], f"{name} losses after resuming", LOSS_TOL)
+            assert_close(r["grad_norm"], want["grad_norm"][-3:], f"{name} gradient norms after resuming", TOL)
+        assert_parameters(
+            parameters(runs, name, stages), want["state"], f"{name}'s parameters after {steps} steps"
+        )
+
+
+def test_zero1_and_no_backward_sync_under_stages(runs):
+    """FZ: each stage's two dp replicas keep the AdamW state of disjoint halves of its parameters (ZeRO-1), and
+    their gradients stay apart after the backward under ``no_backward_sync`` and agree after the synced one."""
+    recs = records(runs, "FZ")
+    for stage in (0, 1):
+        first, second = (r for r in recs if r["stage"] == stage)
+        assert first["with_state"] and second["with_state"], "a replica kept no optimizer state"
+        assert not set(first["with_state"]) & set(second["with_state"])
+        assert sorted(first["with_state"] + second["with_state"]) == first["held"]
+    for r in recs:
+        assert r["unsynced"] == [False] * 3 and r["synced"] == [True] * 3, r
 
 
 def test_bf16_mixed_under_stages_trains_as_without_them(runs, dense):

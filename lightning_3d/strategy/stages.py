@@ -6,7 +6,8 @@ What a LightningModule writes differently: ``configure_model`` builds the plain 
 a Hugging Face model: one with a pipeline split and a plan) in one attribute, ``self.model = ...``;
 it runs on ``meta`` (:func:`built_for_stages`), so no rank allocates the whole model. At setup the
 strategy puts this rank's stages in its place (:func:`into_stages`), under the same attribute and
-parameter names. ``training_step`` is unchanged: ``loss = self.model(ids, targets)`` runs the whole
+parameter names (Fabric: the model object passed to ``fabric.setup`` becomes them,
+:func:`split_in_place`). ``training_step`` is unchanged: ``loss = self.model(ids, targets)`` runs the whole
 schedule for the batch (its micro-batches are the pipeline's) and returns the batch's mean loss on
 every rank, so ``self.log`` logs it as usual; Lightning's ``backward`` of the returned loss hands
 the schedule's gradients to the parameters (scaled by ``1 / accumulate_grad_batches``), DDP
@@ -22,6 +23,7 @@ stages' tensors under the whole model's names, so a checkpoint loads at any pipe
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 from collections.abc import Callable
 
@@ -93,6 +95,22 @@ def split_model(
     return PipelinedModel(
         model, grid, pipeline, options=options, device=device, loss_scale=loss_scale_of(precision)
     )
+
+
+def split_in_place(model: nn.Module, split: Callable[[nn.Module], PipelinedModel]) -> PipelinedModel:
+    """``split(model)`` made in ``model``'s own object: ``split`` consumes a shallow copy of ``model`` (a new
+    object of its class holding its modules), and ``model`` then takes the class and contents of the
+    :class:`~lightning_3d.pipeline.PipelinedModel` made, as ``torch.distributed.fsdp.fully_shard``
+    changes the class of the module it shards. Whoever holds ``model`` holds this rank's stages: Fabric's
+    wrapper keeps the object passed to ``fabric.setup`` for its ``module`` and ``state_dict()``. Nothing
+    changes class when ``split`` raises.
+    """
+    pipelined = split(copy.copy(model))
+    contents = pipelined.__dict__
+    object.__setattr__(pipelined, "__dict__", {})
+    model.__class__ = PipelinedModel
+    object.__setattr__(model, "__dict__", contents)
+    return model
 
 
 def into_stages(module: nn.Module, grid: Grid, split: Callable[[nn.Module], nn.Module]) -> None:
