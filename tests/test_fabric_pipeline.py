@@ -97,13 +97,13 @@ def test_fabric_splits_the_model_into_stages_and_trains_as_the_dense_twin(runs, 
 
 
 def test_what_fabric_setup_returns_holds_the_stages(runs, dense):
-    """FP: the model ``fabric.setup`` returns has this rank's ``PipelinedModel`` as its ``module`` (the object
-    passed in became it), and its ``state_dict()`` holds this rank's stage's shards (the parameters' own
-    tensors) under the whole model's names: the stages' keys are apart and together the dense twin's."""
+    """FP: the model ``fabric.setup`` returns has the object passed in, now this rank's stage module of its
+    own class, as its ``module``, and its ``state_dict()`` holds this rank's stage's shards (the parameters'
+    own tensors) under the whole model's names: the stages' keys are apart and together the dense twin's."""
     recs = records(runs, "FP")
     keys = {r["stage"]: r["state_dict"] for r in recs}
     for r in recs:
-        assert r["module"] == "PipelinedModel", f"fabric_model.module is a {r['module']}"
+        assert r["module"] == "DenseGPT", f"fabric_model.module is a {r['module']}"
         assert r["state_dict"] == r["held"] and r["state_dict_holds_the_shards"], r["state_dict"]
     assert not set(keys[0]) & set(keys[1]) and set(keys[0]) | set(keys[1]) == set(dense["f64"]["state"])
 

@@ -16,9 +16,9 @@ As Fabric's ``ModelParallelStrategy`` does, the strategy owns the model's placem
   made of 3-D layers, materialises it (``reset_parameters``) on this rank's device; with
   ``pipeline_size > 1`` it splits the plain model into this rank's stages, a
   :class:`~lightning_3d.pipeline.PipelinedModel` (:mod:`.stages`, as the Trainer strategy does),
-  which ``model(ids, targets)`` runs for a whole batch: the object passed in becomes it, so the
-  returned model's ``module`` is the ``PipelinedModel`` and its ``state_dict()`` holds this rank's
-  stages' shards under the whole model's names; then DDP over the dp group. An optimizer
+  which ``model(ids, targets)`` runs for a whole batch; the object passed in becomes this rank's
+  (last) stage module, so the returned model's ``module`` and ``state_dict()`` hold that stage's
+  shards under the whole model's names; then DDP over the dp group. An optimizer
   passed to ``fabric.setup`` with the model is moved onto the model's 3-D parameters by name (those
   of this rank's stages);
 - ``fabric.clip_gradients(max_norm=...)`` clips by the global norm; ``fabric.no_backward_sync``
@@ -57,7 +57,7 @@ from .failures import same_on_every_rank
 from .grid_strategy import DEFAULT_TIMEOUT, GridStrategy
 from .precision import fabric_precision
 from .preemption import PreemptionWatch, stop_message
-from .stages import checked_pipeline, split_in_place
+from .stages import checked_pipeline
 
 _PRIVATE_META = (PARAM_GROUPS_KEY, FABRIC_STATE_KEY)
 
@@ -155,9 +155,9 @@ class Tensor3DFabricMixin(GridStrategy):
             ``Tensor3DStrategy`` (``docs/lightning.md``).
         pipeline_size: pipeline stages of the grid (``strategy.grid.stage``, its ``"pipe"`` group);
             with more than one, ``fabric.setup`` splits the plain model (built under
-            ``fabric.init_module(empty_init=True)``) into this rank's stages, which the object
-            passed in becomes (the returned model's ``module``), and ``loss = model(ids, targets)``
-            runs the schedule for the batch (``docs/lightning.md``).
+            ``fabric.init_module(empty_init=True)``) into this rank's stages (the object passed
+            in becomes this rank's last stage module: the returned model's ``module``), and
+            ``loss = model(ids, targets)`` runs the schedule for the batch (``docs/lightning.md``).
         pipeline: the schedule and split (:class:`lightning_3d.pipeline.PipelineOptions`), as the
             Trainer's ``Tensor3DStrategy`` takes it.
         plan: the :class:`lightning_3d.Plan` that ``fabric.setup`` parallelizes the model (or each
@@ -298,8 +298,8 @@ class Tensor3DFabricMixin(GridStrategy):
     def put_on_grid(self, module: nn.Module) -> nn.Module:
         """``module`` on the grid: parallelized by the plan in place, or, made of 3-D layers already, materialised
         and moved to this rank's device, with the strategy's ``options``; with pipeline stages, this rank's
-        stages of it (:meth:`split_into_stages`) made in ``module``'s own object (:func:`.stages.split_in_place`),
-        so that what ``fabric.setup`` returns has them as its ``module`` and their ``state_dict()``."""
+        stages of it (:meth:`split_into_stages`), which consumes ``module``: the object becomes this rank's
+        (last) stage module, its class unchanged."""
         if isinstance(module, DistributedDataParallel):
             raise TypeError(
                 "pass fabric.setup the model itself, not wrapped in DistributedDataParallel: the strategy "
@@ -307,7 +307,7 @@ class Tensor3DFabricMixin(GridStrategy):
             )
         if self.pipeline is not None:
             with same_on_every_rank():
-                return split_in_place(module, partial(self.split_into_stages, precision=self.precision))
+                return self.split_into_stages(module, self.precision)
         with same_on_every_rank():
             if any(isinstance(m, Module3D) for m in module.modules()):
                 materialize_(module, self.root_device)

@@ -23,7 +23,6 @@ stages' tensors under the whole model's names, so a checkpoint loads at any pipe
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 from collections.abc import Callable
 
@@ -95,22 +94,6 @@ def split_model(
     return PipelinedModel(
         model, grid, pipeline, options=options, device=device, loss_scale=loss_scale_of(precision)
     )
-
-
-def split_in_place(model: nn.Module, split: Callable[[nn.Module], PipelinedModel]) -> PipelinedModel:
-    """``split(model)`` made in ``model``'s own object: ``split`` consumes a shallow copy of ``model`` (a new
-    object of its class holding its modules), and ``model`` then takes the class and contents of the
-    :class:`~lightning_3d.pipeline.PipelinedModel` made, as ``torch.distributed.fsdp.fully_shard``
-    changes the class of the module it shards. Whoever holds ``model`` holds this rank's stages: Fabric's
-    wrapper keeps the object passed to ``fabric.setup`` for its ``module`` and ``state_dict()``. Nothing
-    changes class when ``split`` raises.
-    """
-    pipelined = split(copy.copy(model))
-    contents = pipelined.__dict__
-    object.__setattr__(pipelined, "__dict__", {})
-    model.__class__ = PipelinedModel
-    object.__setattr__(model, "__dict__", contents)
-    return model
 
 
 def into_stages(module: nn.Module, grid: Grid, split: Callable[[nn.Module], nn.Module]) -> None:
