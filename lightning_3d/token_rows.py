@@ -48,6 +48,13 @@ def sequence_multiple(grid: Grid) -> int:
     return math.lcm(px * py, px * pz)
 
 
+def local_rows(t: torch.Tensor, grid: Grid, layout: str) -> torch.Tensor:
+    """This rank's block of the rows ``t`` ``[N, ...]`` (in order) in ``layout``: block ``rank_in("xy")`` of
+    ``px·py`` (``"z"``) or ``rank_in("xz")`` of ``px·pz`` (``"y"``)."""
+    axes = "xy" if layout == "z" else "xz"
+    return t.chunk(grid.size(axes))[grid.rank_in(axes)]
+
+
 def chunks_per_sequence(grid: Grid) -> int:
     """Token rows cut each sequence into this many rows: ``lcm(2·px·pz, px·py)``."""
     px, py, pz = grid.shape
@@ -131,16 +138,47 @@ class TokenRows:
 
     def _block(self, arranged: torch.Tensor, layout: str) -> torch.Tensor:
         """This rank's row block in ``layout`` of arranged rows ``[b·C, s/C, ...]``."""
-        axes = "xy" if layout == "z" else "xz"
-        block = 0
-        for a in axes:
-            block = block * self.grid.size(a) + self.grid.coord(a)
-        return arranged.chunk(self.grid.size(axes))[block]
+        return local_rows(arranged, self.grid, layout)
 
     def rope(self, tables: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables ``[≥ s, n]`` → each y-layout row's own ``[rows, s/C, n]`` (attention's layout)."""
-        positions = self.positions("y").to(tables[0].device)
-        return tuple(t[positions] for t in tables)
+        return tuple(self.table_rows(t) for t in tables)
+
+    def table_rows(self, table: torch.Tensor) -> torch.Tensor:
+        """A table by position (RoPE's cos or sin), ``[≥ s, n]`` or ``[1 or b, ..., ≥ s, n]`` (positions on
+        dim -2, the same for every sequence or each its own) → each y-layout row's own
+        ``[rows, s/C, n]`` or ``[rows, ..., s/C, n]``."""
+        b, s = self.batch, self.seq_len
+        if table.dim() < 2 or table.shape[-2] < s or (table.dim() > 2 and table.shape[0] not in (1, b)):
+            raise ValueError(
+                f"a table by position {list(table.shape)}: token rows of {b} sequences of {s} tokens take "
+                f"[≥ {s}, n] or [1 or {b}, ..., ≥ {s}, n] (positions on dim -2)"
+            )
+        table = table.narrow(-2, 0, self.seq_len)
+        if all(n == 1 for n in table.shape[:-2]):  # the same positions in every sequence: look them up
+            rows = table.reshape(self.seq_len, -1)[self.positions("y").to(table.device)]  # [rows, s/C, n]
+            return rows.view(rows.shape[0], *table.shape[1:-2], self.length, -1)
+        per_sequence = table.expand(self.batch, *table.shape[1:]).movedim(-2, 1)  # [b, s, ..., n]
+        return self.rows_of(per_sequence, "y").movedim(1, -2)
+
+    def queries_of(self, mask: torch.Tensor) -> torch.Tensor:
+        """An attention mask of whole sequences in SDPA's form, ``[..., s or 1, s]`` (leading dims broadcast,
+        the first 1 or b; bool, or added to the scores) → the mask of this rank's y-layout queries,
+        ``[..., s/R, s]`` (:meth:`attend`'s, as :meth:`attention_mask` makes it)."""
+        if (
+            mask.shape[-1] != self.seq_len
+            or mask.shape[-2] not in (1, self.seq_len)
+            or (mask.dim() == 4 and mask.shape[0] not in (1, self.batch))
+        ):
+            raise ValueError(
+                f"attention mask {list(mask.shape)}: token rows of {self.batch} sequences of {self.seq_len} tokens "
+                f"take a mask of whole sequences, [{self.batch} or 1, heads or 1, {self.seq_len} or 1, {self.seq_len}] "
+                "(queries by keys; build it from the model's whole input)"
+            )
+        if mask.shape[-2] == 1:
+            return mask
+        queries = self.positions("y").reshape(self.batch, -1)[0]  # every sequence's local queries alike
+        return mask.index_select(-2, queries.to(mask.device))
 
     def attention_mask(
         self, keys: torch.Tensor | None = None, segments: torch.Tensor | None = None
@@ -209,6 +247,32 @@ class TokenRows:
                 enable_gqa=q.shape[2] != k.shape[2],
             ).transpose(1, 2)
         return out.reshape(rows, length, -1)
+
+    def sdpa(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """``scaled_dot_product_attention``'s call on this rank's y-layout rows: ``query`` ``[rows, heads,
+        s/C, d]``, ``key``, ``value`` ``[rows, kv_heads, s/C, d]`` → ``[rows, heads, s/C, d]``, each query
+        against the keys of its whole sequence (:meth:`attend`): causal (``is_causal``), or by
+        ``attn_mask``, this rank's queries' mask ``[..., s/R, s]`` (:meth:`attention_mask`,
+        :meth:`queries_of`). Grouped-query heads are taken as they are (``enable_gqa`` or not)."""
+        if is_causal == (attn_mask is not None):
+            raise ValueError(
+                "attention over sequences split into token rows is causal (is_causal=True) or masked (an attn_mask "
+                f"of whole sequences), one of the two; got is_causal={is_causal} and "
+                f"{'no mask' if attn_mask is None else 'a mask'}"
+            )
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        out = self.attend(q, k, v, mask=attn_mask, scale=scale, dropout=dropout_p)
+        return out.unflatten(-1, (query.shape[1], -1)).transpose(1, 2)
 
 
 def cached_token_rows(owner: object, batch: int, seq_len: int, grid: Grid, device: torch.device) -> TokenRows:

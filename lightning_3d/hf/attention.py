@@ -12,7 +12,8 @@ every attention function from the model's call (the plan's ``before_forward`` ad
   this rank's y rows that ``before_forward`` built as ``"sdpa"`` builds it (transformers builds
   none for an implementation that registers no mask function);
 - token rows (``token_rows``, the call's :class:`~lightning_3d.token_rows.TokenRows`): split
-  attention, ``attention_mask`` being the rows' own
+  attention (:meth:`~lightning_3d.token_rows.TokenRows.sdpa`, as explicit plans' attention runs),
+  ``attention_mask`` being the rows' own
   (:meth:`~lightning_3d.token_rows.TokenRows.attention_mask`, or None: plain causal).
 """
 
@@ -46,9 +47,9 @@ def attention(
         return ALL_ATTENTION_FUNCTIONS["sdpa"](
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = token_rows.attend(q, k, v, mask=attention_mask, scale=scaling, dropout=dropout)
-    return out.unflatten(-1, (query.shape[1], -1)), None
+    causal = attention_mask is None
+    out = token_rows.sdpa(query, key, value, attention_mask, dropout, is_causal=causal, scale=scaling)
+    return out.transpose(1, 2), None
 
 
 AttentionInterface.register(NAME, attention)

@@ -39,13 +39,13 @@ from __future__ import annotations
 import inspect
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..agreement import agree_on_first_call
 from ..grid import Grid
 from ..layout import Layout
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
+from ..ops.sequence_split import shift_labels as shift_labels_of
 from ..runtime import Runtime
 from ..token_rows import cached_token_rows, choose_rows, sequence_multiple
 
@@ -178,7 +178,7 @@ def _lay_out_token_rows(model: nn.Module, grid: Grid, call: dict, positions_layo
     )
     labels, shift_labels = call.get("labels"), call.get("shift_labels")
     if shift_labels is None and labels is not None:
-        shift_labels = shifted(labels)
+        shift_labels = shift_labels_of(labels)
     if shift_labels is not None:
         call["shift_labels"] = rows.arrange(shift_labels)
 
@@ -209,11 +209,6 @@ def projection_input_as_z(projection: nn.Module, args: tuple) -> tuple:
     return (x.reshape(-1, x.shape[1], projection.in_features // projection.grid.size("z")),)
 
 
-def shifted(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """transformers' label shift, ``[b, s]`` → ``[b, s]``: position ``t`` predicts label ``t+1``, the last none."""
-    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-
-
 def causal_lm_loss_3d(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -235,7 +230,7 @@ def causal_lm_loss_3d(
     without); its options' ``compile`` runs the local passes over the logits through ``torch.compile``.
     """
     if shift_labels is None:
-        shift_labels = shifted(labels, ignore_index)
+        shift_labels = shift_labels_of(labels, ignore_index)
     loss = vocab_parallel_cross_entropy(
         logits,
         shift_labels.to(logits.device),

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 
 def check_split(seq_len: int, ranks: int) -> int:
@@ -84,5 +85,12 @@ def split_targets(labels: torch.Tensor, rank: int, ranks: int, ignore_index: int
     """
     if labels.dim() != 2:
         raise ValueError(f"labels must be [batch, seq_len], got shape {list(labels.shape)}")
-    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], 1)
-    return split_sequence(shifted, rank, ranks)
+    return split_sequence(shift_labels(labels, ignore_index), rank, ranks)
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """A causal LM's targets ``[..., s]`` from its labels ``[..., s]``: position ``t`` predicts label ``t+1``,
+    the last position nothing (``ignore_index``). The shift a dense model applies before its loss
+    (``logits[..., :-1]`` against ``labels[..., 1:]``), done on whole sequences, so that each target
+    goes with its token wherever the sequence is cut."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]

@@ -3,11 +3,14 @@
 A :class:`Plan` maps module-name patterns to rules (:class:`Linear`, :class:`Norm`,
 :class:`VocabEmbedding`, :class:`PositionEmbedding`, :class:`LMHead`, :class:`Loss`,
 :class:`Dropout`) and carries the :class:`~lightning_3d.options.RuntimeOptions` the model runs
-with, the checkpoint units, and the model-level input/output hooks. ``parallelize`` gives the model
-one :class:`~lightning_3d.runtime.Runtime`, which all its 3-D layers hold (:func:`runtime_of`).
+with, the checkpoint units, the model-level input/output hooks, and the modules that compute its
+attention (:class:`Attention`: with them any batch runs, on token rows where whole sequences do
+not split). ``parallelize`` gives the model one :class:`~lightning_3d.runtime.Runtime`, which all
+its 3-D layers hold (:func:`runtime_of`).
 """
 
 from ..options import RuntimeOptions
+from .attention import Attention
 from .norms import register_norm
 from .parallelize import parallelize
 from .plan import Plan, find_plan, register_plan
@@ -15,6 +18,7 @@ from .rules import Dropout, Linear, LMHead, Loss, Norm, PositionEmbedding, Rule,
 from .state import dense_state_dict, grid_of, load_dense_state_dict, options_of, runtime_of, set_options
 
 __all__ = [
+    "Attention",
     "Dropout",
     "LMHead",
     "Linear",

@@ -28,6 +28,7 @@ from ..layers.base import Module3D
 from ..options import RuntimeOptions
 from ..runtime import Runtime
 from ..sharding import get_spec, shard_tensor
+from .attention import check_attention, lay_out_token_rows
 from .hooks import attach_model_hooks
 from .norms import norm_kind
 from .plan import Plan, find_plan, matches
@@ -59,8 +60,9 @@ def parallelize(
 
     Raises:
         ValueError: no built-in plan; a module holding parameters that no rule maps; a pattern
-            matching nothing (strict plans); a module a rule cannot represent; sizes that do not
-            split on the grid. All raised before the model is changed.
+            matching nothing (strict plans); a module a rule cannot represent; an attention entry
+            its module cannot take; sizes that do not split on the grid. All raised before the
+            model is changed.
     """
     grid = resolve_grid(grid)
     plan = plan if plan is not None else find_plan(model)
@@ -72,6 +74,10 @@ def parallelize(
         plan.validate(model, grid)
     order, rules = _match(model, plan)
     units = _checkpoint_units(model, plan)
+    attention = plan.attention_of(model)
+    if plan.strict:
+        _check_used(model, plan.attention, attention, "attention")
+    check_attention(model, attention)
     modules = dict(order)
     runtime = Runtime(options, gathers_weights=grid.size("x") > 1)
     built = {name: _build(name, modules[name], rule, grid, options, runtime) for name, rule in rules.items()}
@@ -80,6 +86,7 @@ def parallelize(
     _Converter(model, plan, grid, device).run(order, rules, built)
     if plan.prepare is not None:
         plan.prepare(model, grid)
+    lay_out_token_rows(model, plan.attention_of(model), grid, runtime)  # the modules prepare left
     for unit in units:
         run_as_unit(unit, runtime)
     attach_model_hooks(model, plan, grid, runtime)

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..grid import Grid
 from ..options import RuntimeOptions
+from .attention import Attention
 from .rules import Rule
 
 BeforeForward = Callable[[nn.Module, Grid, tuple, dict], "tuple[tuple, dict] | None"]
@@ -50,7 +51,12 @@ class Plan:
         prepare: ``(model, grid) -> None``, run once after the modules are replaced: set what the
             model's own code reads per rank and no rule owns (per-rank sizes of unreplaced
             modules, hooks, the model's loss function).
-        strict: every pattern of ``rules`` and ``checkpoint`` must match some module.
+        attention: ``{pattern: Attention(...)}``, the modules that compute the model's causal
+            self-attention and how their core attention is called
+            (:class:`~lightning_3d.parallel.attention.Attention`): with them the model takes any
+            batch, one that whole-sequence rows do not split running on token rows; without, a
+            batch must be a multiple of ``lcm(px·py, px·pz)``.
+        strict: every pattern of ``rules``, ``checkpoint`` and ``attention`` must match some module.
     """
 
     rules: dict[str, Rule]
@@ -61,11 +67,22 @@ class Plan:
     init: Callable[[str, torch.Tensor], None] | None = None
     validate: Callable[[nn.Module, Grid], None] | None = None
     prepare: Callable[[nn.Module, Grid], None] | None = None
+    attention: dict[str, Attention] = field(default_factory=dict)
     strict: bool = True
 
     def rule_for(self, name: str) -> Rule | None:
         """The rule of the first pattern matching module ``name``, or None."""
         return next((rule for pattern, rule in self.rules.items() if matches(pattern, name)), None)
+
+    def attention_of(self, model: nn.Module) -> dict[str, Attention]:
+        """``{name: entry}``: each module of ``model`` an ``attention`` pattern matches, with the first
+        matching pattern's entry."""
+        found = {}
+        for name, _ in model.named_modules():
+            entry = next((e for pattern, e in self.attention.items() if matches(pattern, name)), None)
+            if entry is not None:
+                found[name] = entry
+        return found
 
 
 def matches(pattern: str, name: str) -> bool:

@@ -11,6 +11,7 @@ breaks it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -27,7 +28,8 @@ def run_as_unit(module: nn.Module, runtime: Runtime) -> None:
     The module keeps its class, children and state-dict keys: its instance gets a ``forward`` that
     runs the class's, compiled (``torch.compile``, built at the first call that asks for it) while
     ``compile`` is on, and through non-reentrant ``torch.utils.checkpoint`` (which restores the
-    RNG state, so dropout masks are replayed) while checkpointing is on and gradients are enabled.
+    RNG state, so dropout masks are replayed, and the runtime's ``token_rows``) while checkpointing
+    is on and gradients are enabled.
     """
     forward = module.forward
     compiled = None
@@ -41,7 +43,14 @@ def run_as_unit(module: nn.Module, runtime: Runtime) -> None:
                 compiled = torch.compile(forward)
             run = compiled
         if options.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            rows = runtime.token_rows  # the recomputation runs on this forward's rows
+            return checkpoint(
+                run,
+                *args,
+                use_reentrant=False,
+                context_fn=lambda: (contextlib.nullcontext(), runtime.on_rows(rows)),
+                **kwargs,
+            )
         return run(*args, **kwargs)
 
     module.forward = unit_forward

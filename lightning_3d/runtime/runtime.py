@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
+from collections.abc import Iterator
 
 from ..comm import SideStreams
 from ..options import RuntimeOptions
@@ -33,6 +35,11 @@ class Runtime:
         streams: the :class:`~lightning_3d.comm.SideStreams` (CUDA, made on first use) on which
             its prefetch and late gradients work beside the compute stream.
         token_checks: the :class:`DeferredTokenChecks` open during each forward of the model.
+        token_rows: the :class:`~lightning_3d.token_rows.TokenRows` the forward running now runs on,
+            where the model's plan names its attention and lays out token rows by hooks
+            (:mod:`lightning_3d.parallel.attention`); None: whole sequences, or rows the model's
+            own code lays out. Set by the token embedding at each forward, restored for a unit
+            recomputed in backward (:meth:`on_rows`).
         name: how a compiled product's custom ops find it (:func:`runtime_named`).
     """
 
@@ -42,6 +49,7 @@ class Runtime:
         self.prefetch: WeightPrefetch | None = None
         self.late_grads = WeightGradsAtEnd(self.streams)
         self.token_checks = DeferredTokenChecks()
+        self.token_rows = None
         self.name = f"runtime{next(_NUMBERS)}"
         _NAMED[self.name] = self
         self.apply(options if options is not None else RuntimeOptions())
@@ -57,6 +65,15 @@ class Runtime:
                 self.prefetch = None
             elif self.prefetch is None or (self.prefetch.depth, self.prefetch.together) != wanted:
                 self.prefetch = WeightPrefetch(*wanted, streams=self.streams)
+
+    @contextlib.contextmanager
+    def on_rows(self, rows: object) -> Iterator[None]:
+        """:attr:`token_rows` set to ``rows`` inside (a unit recomputed in backward runs on its forward's rows)."""
+        before, self.token_rows = self.token_rows, rows
+        try:
+            yield
+        finally:
+            self.token_rows = before
 
     def __deepcopy__(self, memo) -> Runtime:
         """A copy of a model runs with a runtime of its own, with the same options."""
