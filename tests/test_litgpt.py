@@ -1,7 +1,7 @@
 """LitGPT's ``litgpt.model.GPT`` through ``parallelize`` with its built-in plan, against LitGPT's own model.
 
-A world of 4 sweeps 1×1×1 (dp 4), 2×1×1 (dp 2), 1×2×2 and 2×2×1 with two tiny
-configs built with ``litgpt.Config``, in float64:
+A world of 4 sweeps 1×1×1 (dp 4), 1×2×2 and 2×2×1 with two tiny configs built with ``litgpt.Config``,
+in float64:
 
 - Pythia-like: parallel residual, LayerNorm, GELU (``GptNeoxMLP``), partial rotary (half of each
   head), biases, untied head over a padded vocabulary that the grid pads further;
@@ -11,9 +11,11 @@ configs built with ``litgpt.Config``, in float64:
 and a Phi-like config (parallel residual with a shared attention norm, tanh GELU, head bias, tied
 by hand) and a Qwen2.5-like one (the Llama-like with q/k/v biases) on 1×2×1 (dp 2). Loss, logits
 and every parameter's gradient are compared, and ``dense_state_dict`` loads into LitGPT's model
-with ``strict=True``. The example
-(``examples/fabric_litgpt.py``) trains, resumes and exports in a world of 2; the benchmark
-(``benchmarks/litgpt_fabric.py``) runs its CPU smoke mode.
+with ``strict=True``. On token rows, a world of 8 runs the Pythia-like and Llama-like configs at
+batches of 1 and 3 sequences (which whole-sequence rows do not split) on 2×1×2 (dp 2) and 2×2×2, the
+Llama-like one's loss over labels shifted as LitGPT's fine-tuning shifts them; the refusals include
+what token rows cannot take. The example (``examples/fabric_litgpt.py``) trains, resumes and exports
+in a world of 2; the benchmark (``benchmarks/litgpt_fabric.py``) runs its CPU smoke mode.
 
 The reference is LitGPT's model with two float64 adjustments that leave the model the same:
 LitGPT builds its RoPE tables in float32 (``build_rope_cache``'s ``.float()``), so both models get
@@ -41,7 +43,7 @@ pytest.importorskip("litgpt")
 
 B, S = 4, 8
 V, PADDED = 60, 62  # LitGPT pads to 62; grids with px·py = 4 pad to 64
-GRIDS = [(1, 1, 1), (2, 1, 1), (1, 2, 2), (2, 2, 1)]  # in a world of 4: dp = 4, 2, 1, 1
+GRIDS = [(1, 1, 1), (1, 2, 2), (2, 2, 1)]  # in a world of 4: dp = 4, 1, 1
 F64 = torch.float64
 F32_TOL = 1e-6
 
@@ -189,6 +191,7 @@ def refusals(grid) -> dict:
     from litgpt.model import GPT
 
     from lightning_3d import parallelize
+    from lightning_3d.litgpt import cross_entropy
     from lightning_3d.parallel import find_plan
 
     def built(**changes) -> nn.Module:
@@ -224,13 +227,15 @@ def refusals(grid) -> dict:
         ),
         "kv_cache": (lambda: plain(ids, input_pos=torch.arange(S)), "keeps no KV cache"),
         "set_kv_cache": (lambda: plain.set_kv_cache(B), "keeps no KV cache"),
-        "batch": (lambda: plain(ids[:1]), "multiple of lcm(px·py, px·pz) = 2"),
+        "token_rows_length": (lambda: plain(ids[:1, :7]), "multiple of lcm(2·px·pz, px·py) = 2"),
+        "sliced_logits": (
+            lambda: cross_entropy(plain, plain(ids[:1])[..., :-1, :], ids[:1, 1:]),
+            "shift=True for labels: slice neither",
+        ),
     }
     errs = {k: float(needle not in message(fn)) for k, (fn, needle) in expected.items()}
     errs["moe_untouched"] = float(type(moe.transformer.wte) is not nn.Embedding)
     targets = torch.randint(0, V, (B, S))
-    from lightning_3d.litgpt import cross_entropy
-
     chunks = plain(ids, lm_head_chunk_size=3)  # LitGPT's chunks of the sequence, each a y-layout block
     errs["lm_head_chunks"] = float(len(chunks) != 3) + rel(
         cross_entropy(plain, chunks, targets).detach(), cross_entropy(plain, plain(ids), targets).detach()
@@ -296,6 +301,57 @@ def test_phi_like_tied_refusals_and_conversion():
     """A Phi-like tied model equals LitGPT's; unsupported configs and calls are refused; LitGPT's converter
     reads the export."""
     assert_within_tolerances(harness.run(4, on_grids, [(1, 2, 1)], features_job))
+
+
+def token_rows_equivalence(grid, name: str, b: int, shift: bool) -> dict:
+    """LitGPT's model on token rows (a batch of ``b`` sequences of 16 tokens) against LitGPT's: logits, loss
+    (targets of each position, or with ``shift`` labels as LitGPT's fine-tuning shifts them) and every gradient."""
+    from lightning_3d import dense_state_dict, gather_activation, parallelize
+    from lightning_3d.litgpt import cross_entropy
+    from lightning_3d.token_rows import TokenRows
+
+    s = 16
+    dense = litgpt_model(name)
+    ref = float64_reference(dense)
+    torch.manual_seed(seed_for(grid, 2))
+    ids, targets = torch.randint(0, PADDED, (b, s)), torch.randint(0, PADDED, (b, s))
+    targets[0, 2] = targets[-1, 9] = -100
+    ref_logits = ref(ids)
+    predicted, wanted = (ref_logits[:, :-1], targets[:, 1:]) if shift else (ref_logits, targets)
+    ref_loss = F.cross_entropy(predicted.flatten(0, 1), wanted.flatten(), ignore_index=-100)
+    ref_loss.backward()
+
+    model = parallelize(dense, grid=grid)  # in place
+    logits = model(ids)
+    loss = cross_entropy(model, logits, targets, shift=shift)
+    loss.backward()
+    full = TokenRows(b, s, grid).restore(gather_activation(logits.detach(), "y", grid))
+    errs = {
+        "loss": rel(loss.detach(), ref_loss.detach()),
+        "logits": rel(full[..., :PADDED], ref_logits.detach()),
+    }
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.grad)
+    grads = dense_state_dict(model)
+    errs.update({"d" + k: rel(grads[k], p.grad) for k, p in ref.named_parameters()})
+    return {f"{name}_b{b}_{k}": e for k, e in errs.items()}
+
+
+def token_rows_job(grid) -> dict:
+    """Pythia-like (partial rotary, targets of each position) and Llama-like (grouped queries, shifted labels):
+    each at batch 1 on one grid and batch 3 on the other."""
+    batches = (1, 3) if grid.size("y") == 1 else (3, 1)
+    return {
+        k: e
+        for (name, shift), b in zip((("pythia", False), ("llama", True)), batches)
+        for k, e in token_rows_equivalence(grid, name, b, shift).items()
+    }
+
+
+def test_litgpt_on_token_rows_equals_litgpt():
+    """Batches whole-sequence rows split on neither grid: 2×1×2 (dp 2) and 2×2×2 in a world of 8."""
+    assert_within_tolerances(harness.run(8, on_grids, [(2, 1, 2), (2, 2, 2)], token_rows_job))
 
 
 ROOT = Path(__file__).parent.parent

@@ -1,4 +1,4 @@
-"""LitGPT's causal self-attention on the grid: the heads of this rank's y block, no communication.
+"""LitGPT's causal self-attention on the grid: the heads of this rank's y block.
 
 LitGPT's ``CausalSelfAttention`` reads its sizes from the model's config (all heads) and the batch
 from its input; on the grid its projection's output holds ``n_head/py`` query heads of
@@ -22,7 +22,10 @@ class GridSelfAttention(nn.Module):
     (query slots, k, v; :class:`~lightning_3d.litgpt.plan.QueryGroupedQKV`); ``proj``: the y→z
     output projection. ``forward(x, cos, sin, ...)`` has LitGPT's signature: ``x`` z-layout
     ``[b/(px·py), s, h/pz]``, ``cos``, ``sin`` ``[1, s, rope_n_elem]`` (the first ``rope_n_elem``
-    features of every head turn); returns z-layout ``[b/(px·py), s, h/pz]``.
+    features of every head turn); returns z-layout ``[b/(px·py), s, h/pz]``. On token rows ``x`` is
+    ``[b·C/(px·py), s/C, h/pz]``, the tables each y row's own ``[b·C/(px·pz), s/C, rope_n_elem]``
+    and the causal SDPA call runs over the split sequences (the plan's
+    :class:`~lightning_3d.parallel.Attention` entry).
     """
 
     def __init__(self, qkv: nn.Module, proj: nn.Module, queries_per_kv: int, head_size: int):
@@ -41,7 +44,8 @@ class GridSelfAttention(nn.Module):
     ) -> torch.Tensor:
         if mask is not None or input_pos is not None:
             raise ValueError("the parallelized LitGPT model keeps no KV cache: call it without input_pos")
-        rope = (cos[0], sin[0]) if cos.shape[-1] else None
+        # [1, s, n]: the same positions in every row (one table); [rows, s/C, n]: each row its own
+        rope = None if not cos.shape[-1] else (cos[0], sin[0]) if cos.shape[0] == 1 else (cos, sin)
         return self.proj(packed_attention(self.qkv, x, self.queries_per_kv, self.head_size, rope))
 
     def build_kv_cache(self, *args, **kwargs):

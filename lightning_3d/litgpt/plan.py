@@ -11,9 +11,13 @@ Every block reads and writes z-layout; ``qkv``, ``fc``, ``fc_1``, ``fc_2`` are z
 ``mlp.proj`` y→z. Attention runs on y-layout rows, whole heads of y block ``j``
 (:class:`~lightning_3d.litgpt.attention.GridSelfAttention`, put in place of LitGPT's by the
 plan's ``prepare``); the norms, residual adds, MLP activations and the rotary tables are LitGPT's
-own code. ``model(idx)`` takes the full batch ``[b, s]`` on every cube rank and returns this rank's
-y-layout logits ``[b/(px·pz), s, V'/py]``; :func:`~lightning_3d.litgpt.loss.cross_entropy` gives
-LitGPT's training loss from them.
+own code. ``model(idx)`` takes the full batch ``[b, s]`` on every cube rank, any ``b``, and returns
+this rank's y-layout logits: ``[b/(px·pz), s, V'/py]`` where ``b`` is a multiple of
+``lcm(px·py, px·pz)``, else token rows ``[b·C/(px·pz), s/C, V'/py]``: the plan names the blocks'
+attention (:class:`~lightning_3d.parallel.Attention`, its RoPE tables ``cos`` and ``sin``), so the
+embedding takes the token rows of ``idx``, each row's tables are its true positions' and attention
+gathers each sequence's keys and values (:mod:`lightning_3d.parallel.attention`).
+:func:`~lightning_3d.litgpt.loss.cross_entropy` gives LitGPT's training loss from the logits.
 
 ``litgpt`` is imported here only inside functions, when a LitGPT model is parallelized.
 """
@@ -21,14 +25,22 @@ LitGPT's training loss from them.
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..agreement import agree_on_first_call
 from ..grid import Grid
-from ..parallel import Linear, LMHead, Norm, Plan, VocabEmbedding, register_norm, register_plan
+from ..parallel import (
+    Attention,
+    Linear,
+    LMHead,
+    Norm,
+    Plan,
+    VocabEmbedding,
+    register_norm,
+    register_plan,
+)
 from .attention import GridSelfAttention
 
 GPT_CLASS = "litgpt.model.GPT"
@@ -172,12 +184,9 @@ def check_call(model: nn.Module, grid: Grid, args: tuple, kwargs: dict) -> None:
     if call.get("input_pos") is not None:
         raise ValueError("the parallelized LitGPT model keeps no KV cache: call it without input_pos")
     agree_on_first_call(model, grid.group("cube"), "parallelized LitGPT model input", idx=idx)
-    px, py, pz = grid.shape
-    multiple = math.lcm(px * py, px * pz)
-    if idx.dim() != 2 or idx.shape[0] % multiple:
+    if idx.dim() != 2:
         raise ValueError(
-            f"idx {list(idx.shape)}: the parallelized model takes the full batch [b, s] on every cube rank, "
-            f"with b a multiple of lcm(px·py, px·pz) = {multiple} on grid {grid.shape}"
+            f"idx {list(idx.shape)}: the parallelized model takes the full batch [b, s] on every cube rank"
         )
 
 
@@ -222,6 +231,7 @@ def litgpt_plan(model: nn.Module) -> Plan:
         validate=check_litgpt,
         prepare=use_grid_attention,
         before_forward=check_call,
+        attention={block + "attn": Attention(rope=("cos", "sin"))},  # causal SDPA; RoPE tables by argument
     )
 
 
