@@ -14,6 +14,8 @@ backward from the loss times an fp16 scaler's scale. The refusals name their num
 
 from __future__ import annotations
 
+import dataclasses
+
 import harness
 import pytest
 import torch
@@ -22,7 +24,7 @@ from test_hf_parallelize import float64_reference, gpt2, llama, perturbed, shift
 
 from lightning_3d import destroy_grid, init_grid
 from lightning_3d.models import GPT3D, DenseGPT, GPTConfig
-from lightning_3d.parallel import dense_state_dict, load_dense_state_dict
+from lightning_3d.parallel import Attention, dense_state_dict, find_plan, load_dense_state_dict
 from lightning_3d.pipeline import PipelinedModel, build_schedule, layer_ranges, split_stages
 
 V, B, S, STEPS = 50, 4, 8, 3
@@ -221,6 +223,14 @@ def refusals_job() -> dict:
             "untie it (GPTConfig(tie_embeddings=False)",
         ),
         "parallelized": (lambda: split_stages(GPT3D(config("gpt2"), grid), grid), "split the plain model"),
+        "attention_plan": (
+            lambda: split_stages(
+                meta(),
+                grid,
+                plan=dataclasses.replace(find_plan(meta()), attention={"transformer.h.*.attn": Attention()}),
+            ),
+            "such a plan is not split into pipeline stages; run it with pipeline_size=1",
+        ),
         "schedule": (
             lambda: split_stages(meta(), grid, schedule="Zigzag"),
             "unknown pipeline schedule 'Zigzag'",

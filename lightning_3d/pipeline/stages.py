@@ -188,7 +188,8 @@ def split_stages(
     Raises:
         ValueError: no built-in split or plan; a parameter that two stages would hold (a tied
             embedding and head) or that no stage holds; more stages than layers; bad split points;
-            a plan pattern that matches no module of the model; what ``parallelize`` refuses.
+            a plan pattern that matches no module of the model; a plan that names attention modules;
+            what ``parallelize`` refuses.
     """
     grid = resolve_grid(grid)
     if any(isinstance(m, Module3D) for m in model.modules()):
@@ -198,6 +199,12 @@ def split_stages(
         )
     split = split if split is not None else find_split(model)
     plan = plan if plan is not None else find_plan(model)
+    if plan.attention:
+        raise ValueError(
+            f"the plan of {type(model).__name__} names attention modules {list(plan.attention)}, which run token rows "
+            "through the whole model's forward: such a plan is not split into pipeline stages; run it with "
+            "pipeline_size=1, or split a model whose split is built in (DenseGPT, the Hugging Face causal LMs)"
+        )
     indices = stage_indices(grid, schedule, stages_per_rank)
     num_stages = grid.pipeline_size * len(indices)
     ranges = layer_ranges(len(model.get_submodule(split.layers)), num_stages, split_points)
