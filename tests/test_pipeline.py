@@ -2,10 +2,12 @@
 
 On each layout (pp 2 × 2×1×1, pp 2 × 1×1×1 × dp 2, pp 4 × 1×1×1 in a world of 4; pp 2 × 2×2×1 in a
 world of 8) and each schedule (GPipe and 1F1B everywhere; Interleaved1F1B, InterleavedZeroBubble
-and ZBVZeroBubble on one layout each): a DenseGPT built on ``meta`` is split into stages, given
-the dense model's weights, and takes three AdamW steps on four micro-batches of one sequence each
-(token rows on the cubes of several ranks, whole sequences on one rank); the loss of every step and
-every parameter after them equal DenseGPT's on one process (each dp replica on its own batch).
+and ZBVZeroBubble on one layout each, the zero-bubble ones where weights are gathered over x, so that
+every backward defers the gathered weights' gradients and every W action adds them): a DenseGPT
+built on ``meta`` is split into stages, given the dense model's weights, and takes three AdamW steps
+on four micro-batches of one sequence each (token rows on the cubes of several ranks, whole sequences
+on one rank); the loss of every step and every parameter after them equal DenseGPT's on one
+process (each dp replica on its own batch).
 Each stage holds its parameters under the whole model's names, and a stage built on ``meta`` draws
 the same initial values as the whole model. Hugging Face's Llama (GQA) and GPT-2, untied, split
 into two stages of 2×1×1, train as the unmodified models do. A ``PipelinedModel``'s schedule runs its
@@ -34,8 +36,9 @@ STYLES = {"gpt2": {}, "llama": dict(style="llama", ffn_hidden=24, n_kv_head=2)}
 # world → [((pp, (px, py, pz), dp), style, schedules)]; a schedule with split points as (name, points)
 LAYOUTS = {
     4: [
-        ((2, (2, 1, 1), 1), "gpt2", (("GPipe", [1]), "1F1B", "Interleaved1F1B")),  # GPipe: layers 0 | 1-3
-        ((2, (1, 1, 1), 2), "llama", ("GPipe", "1F1B", "InterleavedZeroBubble")),
+        # GPipe: layers 0 | 1-3
+        ((2, (2, 1, 1), 1), "gpt2", (("GPipe", [1]), "1F1B", "InterleavedZeroBubble")),
+        ((2, (1, 1, 1), 2), "llama", ("GPipe", "1F1B", "Interleaved1F1B")),
         ((4, (1, 1, 1), 1), "gpt2", ("GPipe", "1F1B")),
     ],
     8: [((2, (2, 2, 1), 1), "llama", ("GPipe", "1F1B", "ZBVZeroBubble"))],
@@ -85,6 +88,7 @@ def train(grid, style: str, schedule: str, split_points=None) -> dict:
         errs[f"names_of_stage{stage.index}"] = float(keys != {k for k in state if held(k, stage)})
         load_dense_state_dict(stage.module, {k: state[k] for k in keys})
     pipeline = build_schedule(stages, schedule, 4, (B, S))
+    passes = watch_weight_passes(pipeline) if pipeline.defers_weights else None
     params = [p for stage in stages for p in stage.module.parameters()]
     opts = [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1) for ps in (dense.parameters(), params)]
     idx, targets = batch(grid, 2)
@@ -100,7 +104,35 @@ def train(grid, style: str, schedule: str, split_points=None) -> dict:
     state = dense.state_dict()
     for stage in stages:
         errs.update({k: rel(t, state[k]) for k, t in dense_state_dict(stage.module).items()})
+    if passes is not None:  # every backward deferred products, every W action ran them into .grad
+        errs["deferred_none"] = float(not passes or min(deferred for deferred, _, _ in passes) == 0)
+        errs["deferred_not_run"] = float(any(left != 0 or not added for _, left, added in passes))
     return errs
+
+
+def watch_weight_passes(pipeline) -> list:
+    """The weight passes the schedule's stages build, each as ``[products its backward deferred,
+    products left after its W action, whether W changed every deferred weight's .grad]``."""
+    seen = []
+    for torch_stage in pipeline.schedule._stages:
+        build = torch_stage.dw_builder
+
+        def watched(build=build):
+            deferred = build()
+            entry = [len(deferred.products), None, False]
+            seen.append(entry)
+
+            def weight_action():
+                params = [param for *_, param in deferred.products]
+                before = [None if p.grad is None else p.grad.clone() for p in params]
+                deferred()
+                entry[1] = len(deferred.products)
+                entry[2] = all(b is None or not torch.equal(b, p.grad) for b, p in zip(before, params))
+
+            return weight_action
+
+        torch_stage.dw_builder = watched
+    return seen
 
 
 def meta_init(grid, style: str) -> dict:

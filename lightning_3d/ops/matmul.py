@@ -24,14 +24,16 @@ is gathered over y to ``[b/px, s, N/pz]``; ``W`` ``[K/(px·py), N/pz]`` over x t
 
 A product runs with its model's :class:`~lightning_3d.runtime.Runtime`, passed by the layer that
 calls it: its options, the weight prefetch that gathers B, and the weight gradients left for the
-end of backward. :func:`_matmul` fixes how the product runs in a
-:class:`~lightning_3d.runtime.MatmulSchedule`. Eagerly a product is one autograd function
-(:class:`_Matmul3D`); under ``torch.compile`` the same forward and backward run as the custom ops
-``lightning_3d::matmul3d`` and ``lightning_3d::matmul3d_backward``, opaque nodes of the compiled
-graph, which take the schedule as typed arguments and the runtime by name.
+end of backward (or for a zero-bubble pipeline schedule's weight pass). :func:`_matmul` fixes
+how the product runs in a :class:`~lightning_3d.runtime.MatmulSchedule`. Eagerly a product is
+one autograd function (:class:`_Matmul3D`); under ``torch.compile`` the same forward and backward
+run as the custom ops ``lightning_3d::matmul3d`` and ``lightning_3d::matmul3d_backward``, opaque
+nodes of the compiled graph, which take the schedule as typed arguments and the runtime by name.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -122,11 +124,16 @@ def _backward(
     b: torch.Tensor,
     needs: tuple[bool, bool, bool],
     weight: torch.Tensor | None = None,
+    deferrable: bool = False,
 ):
     """``(dA, dB, dbias)`` in the layouts of A, B and the bias (None where ``needs`` is false),
     from A and B as :func:`_forward` kept them. Gradients come in the dtype products run in.
     With ``schedule.grads_at_end``, dB is left for ``weight``'s node (the model's
-    :meth:`~lightning_3d.runtime.WeightGradsAtEnd.scatter_at_end`) and None."""
+    :meth:`~lightning_3d.runtime.WeightGradsAtEnd.scatter_at_end`) and None; ``deferrable`` (the
+    eager product: its operands stay its own), its product may be deferred to a zero-bubble
+    schedule's weight pass instead (:meth:`~lightning_3d.runtime.WeightGradsAtEnd.weight_gradient`).
+    A compiled product's backward makes it at once: the compiler may reuse its operands' memory
+    once the op returns."""
     group_a, _, group_c = schedule.groups
     # dA's first operand is dC in forms "ab" and "abt": its gather can be fused into dA's product
     form_a, (first_a, _) = _BACKWARD[schedule.form][0]
@@ -160,9 +167,12 @@ def _backward(
             )
             grads[0], done = comm.reduce_scatter_dim0(product, group_a, async_op=True)
         elif k == 1 and schedule.grads_at_end:
-            runtime.late_grads.scatter_at_end(
-                _mm(form, operands[x], operands[y]), schedule.groups[1], weight, schedule.grads_together
-            )
+            product = functools.partial(_mm, form, operands[x], operands[y])
+            late = runtime.late_grads
+            if deferrable:
+                late.weight_gradient(product, schedule.groups[1], weight, schedule.grads_together)
+            else:
+                late.scatter_at_end(product(), schedule.groups[1], weight, schedule.grads_together)
             continue
         else:
             grads[k], done = _product_scatter(
@@ -218,7 +228,8 @@ class _Matmul3D(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_c: torch.Tensor):
         kept_a, kept_b, weight = ctx.saved_tensors  # unpacked once: checkpointing allows no second time
-        grads = _backward(ctx.schedule, ctx.runtime, grad_c, kept_a, kept_b, ctx.needs_input_grad[:3], weight)
+        needs = ctx.needs_input_grad[:3]
+        grads = _backward(ctx.schedule, ctx.runtime, grad_c, kept_a, kept_b, needs, weight, deferrable=True)
         return _as_dtypes(grads, ctx.dtypes) + (None, None)
 
 

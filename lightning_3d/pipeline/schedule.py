@@ -6,9 +6,16 @@ same cube coordinates in the next stage, and receives its gradient back; nothing
 rank of a cube runs the same schedule step in lockstep, so the collectives inside each stage's
 forward and backward match.
 
-Zero-bubble schedules (``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``) run in their
-order, but their bubbles stay: a stage's backward computes the weight gradients with the input
-gradients (see :func:`_weights_with_inputs`), where those schedules would defer them.
+Zero-bubble schedules (``InterleavedZeroBubble``, ``ZBVZeroBubble``, ``DualPipeV``: those with
+weight actions, W) defer the weight gradients of the 3-D products whose weights are gathered over x
+(px > 1, ``RuntimeOptions.grads_at_end`` on, the default; eager products, not compiled ones):
+during such a step each stage's model is :meth:`~lightning_3d.runtime.WeightGradsAtEnd.deferring`,
+a backward (I) computes the input gradients and every other gradient (norms, biases, embeddings,
+products of a group of one) and queues those products; the stage's ``dw_builder`` takes what that
+backward queued, and the W action runs it: each product computed, reduce-scattered over x (one
+collective per run of one group), added to its parameter's ``.grad``. Every cube rank runs the same
+W actions in the same order, so their collectives match. Other schedules compute every gradient in
+the backward.
 
 The loss is the mean over the whole batch's counted targets, as the model's own forward computes
 it: micro-batch ``k`` contributes its mean times ``n_k / n`` (``n_k`` of its targets counted, ``n``
@@ -23,14 +30,17 @@ gradients keep their small values; the gradients stay so scaled, the loss return
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _ComputationType
 
 from .. import arguments
+from ..layers.base import Module3D
+from ..runtime import Runtime
 from .kinds import canonical_name, fixed_stages_per_rank, schedule_class, stage_indices, stage_owner
 from .stages import Autocast, Stage
 
@@ -46,6 +56,8 @@ class Pipeline:
         self.first = next((s for s in stages if s.is_first), None)
         self.last = next((s for s in stages if s.is_last), None)
         group = self.grid.group("pipe")
+        #: each stage's models' runtimes (one per parallelized model)
+        self.runtimes = [list({id(m.runtime): m.runtime for m in _layers(s)}.values()) for s in stages]
         torch_stages = [
             PipelineStage(
                 s.module,
@@ -55,15 +67,17 @@ class Pipeline:
                 input_args=s.example_input(),
                 output_args=s.example_output(),
                 group=group,
-                dw_builder=_weights_with_inputs,
+                dw_builder=functools.partial(_weight_pass, runtimes),
             )
-            for s in stages
+            for s, runtimes in zip(stages, self.runtimes)
         ]
         cls = schedule_class(self.schedule_name)
         single = issubclass(cls, PipelineScheduleSingle)
         self.schedule = cls(
             torch_stages[0] if single else torch_stages, n_microbatches, loss_fn=self._loss, scale_grads=False
         )
+        #: whether the schedule has weight actions, so that the stages' backward passes defer weight gradients
+        self.defers_weights = _has_weight_actions(self.schedule)
 
     def step(
         self, ids: torch.Tensor | None = None, targets: torch.Tensor | None = None, loss_scale: float = 1.0
@@ -101,7 +115,10 @@ class Pipeline:
         for stage in self.stages:
             stage.autocast = caller
         try:
-            with torch.autocast(device.type, enabled=False):
+            with torch.autocast(device.type, enabled=False), contextlib.ExitStack() as deferring:
+                if self.defers_weights:
+                    for runtime in {id(r): r for runtimes in self.runtimes for r in runtimes}.values():
+                        deferring.enter_context(runtime.late_grads.deferring())
                 run(*args, return_outputs=False, **kwargs)
         finally:
             for stage in self.stages:
@@ -146,11 +163,31 @@ class Pipeline:
         return sum(counts)
 
 
-def _weights_with_inputs() -> Callable[[], None]:
-    """A stage's deferred weight pass, which has nothing left to do: a 3-D layer's backward computes
-    its input and weight gradients in one pass (with their collectives), so each backward action
-    computes both, and a zero-bubble schedule's weight actions are empty."""
-    return lambda: None
+def _layers(stage: Stage) -> list[Module3D]:
+    return [m for m in stage.module.modules() if isinstance(m, Module3D)]
+
+
+def _weight_pass(runtimes: list[Runtime]) -> Callable[[], None]:
+    """A stage's weight pass for the backward that ran last (its ``dw_builder``): the weight
+    gradients its models deferred (:meth:`~lightning_3d.runtime.WeightGradsAtEnd.deferred_pass`),
+    none unless the schedule defers them."""
+    passes = [runtime.late_grads.deferred_pass() for runtime in runtimes]
+
+    def run() -> None:
+        for deferred in passes:
+            deferred()
+
+    return passes[0] if len(passes) == 1 else run
+
+
+def _has_weight_actions(schedule) -> bool:
+    """Whether ``schedule`` (a multi-stage one) runs weight actions (W) apart from the backward."""
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(
+        action is not None and action.computation_type == _ComputationType.BACKWARD_WEIGHT
+        for actions in order.values()
+        for action in actions
+    )
 
 
 def build_schedule(

@@ -21,12 +21,22 @@ host then issues one collective a block instead of one a weight.
 Gradients started and not yet handed on are held by the model's :class:`WeightGradsAtEnd` under
 their weight's storage, so that a product's custom op, which sees tensors only, can leave its
 gradient for the node of its weight.
+
+Under a zero-bubble pipeline schedule (one with weight actions, W) these weights' gradients are
+deferred further (:meth:`WeightGradsAtEnd.deferring`, entered around a step for each stage's
+model): a product's backward queues its weight-gradient product (its operands, B's group, the
+weight) instead of computing it, and the stage's weight pass for that backward
+(:meth:`WeightGradsAtEnd.deferred_pass`, the schedule's ``dw_builder``) later computes each,
+reduce-scatters them (one collective per run of one group) and accumulates them into the
+parameters' ``.grad``. Every other gradient (norms, biases, embeddings, weights of a group of one
+or with ``grads_at_end`` off, compiled products, whose operands the compiler may reuse once their
+op returns) is still made in the backward.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -53,18 +63,39 @@ class _HandOnAtEnd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.owner.start_queued()
-        started = [ctx.owner.pending.pop(key, []) for key in ctx.keys]
-        for stream in {stream for entries in started for _, stream in entries if stream is not None}:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
         out = []
-        for grad, entries, shape in zip(grads, started, ctx.shapes):
-            for shard, stream in entries:  # in the shape its product used the weight in
-                if stream is not None:
-                    shard.record_stream(torch.cuda.current_stream(stream.device))
+        for grad, shards, shape in zip(grads, ctx.owner.take(ctx.keys), ctx.shapes):
+            for shard in shards:  # in the shape its product used the weight in
                 grad = shard.view(shape) if grad is None else grad + shard.view(shape)
             out.append(grad)
         return (None, *out)
+
+
+class DeferredWeightPass:
+    """The weight gradients one backward deferred, run later at once (a schedule's W action).
+
+    ``products``: ``(product, group, weight, parameter)`` in the order the backward queued them:
+    ``product()`` makes the gradient of ``weight`` (a view of ``parameter``) gathered over ``group``.
+    Calling it computes each, reduce-scatters them over their groups (one collective per run of one
+    group), casts to the parameter's dtype and adds them to ``parameter.grad``; it empties ``products``.
+    """
+
+    def __init__(self, owner: WeightGradsAtEnd, products: list[tuple]):
+        self.owner, self.products = owner, products
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        products, self.products = self.products, []
+        for product, group, weight, _ in products:
+            self.owner.scatter_at_end(product(), group, weight, together=len(products))
+        shards = self.owner.take([_key(weight) for _, _, weight, _ in products])
+        for (_, _, _, param), parts in zip(products, shards):
+            for shard in parts:
+                shard = shard.view(param.shape)
+                if param.grad is None:
+                    param.grad = shard
+                else:
+                    param.grad.add_(shard)
 
 
 class WeightGradsAtEnd:
@@ -83,11 +114,15 @@ class WeightGradsAtEnd:
         self.queued: list[
             tuple[torch.Tensor, object, torch.Tensor]
         ] = []  # (gathered gradient, group, weight), not started
+        # while deferring: the products the running backward queued (see DeferredWeightPass)
+        self.deferred: list[tuple] | None = None
+        self.parameters: dict[tuple, nn.Parameter] = {}  # the weights handed out, by storage
 
     @contextlib.contextmanager
     def handing_out(self, weights: Iterable[nn.Parameter]) -> Iterator[None]:
         """One forward: each of ``weights`` (that requires grad) carries its view from a new node."""
         weights = [w for w in weights if w.requires_grad]
+        self.parameters.update((_key(w), w) for w in weights)
         outer = [(w, getattr(w, _LANDED, None)) for w in weights]
         keys = {_key(w) for w in weights}
         for key in keys:  # a backward that failed half-way left these: never hand them on
@@ -112,6 +147,48 @@ class WeightGradsAtEnd:
         one, and for any other tensor: a view of a parameter is not followed to it, since under
         ``torch.compile`` its ``_base`` does not carry the view (eager and compiled runs agree)."""
         return getattr(b, _LANDED, None) if isinstance(b, nn.Parameter) else None
+
+    def weight_gradient(
+        self, product: Callable[[], torch.Tensor], group, weight: torch.Tensor, together: int = 1
+    ) -> None:
+        """The gradient of ``weight`` gathered over ``group``, ``product()``: made now and left for
+        :meth:`scatter_at_end`, or, while :meth:`deferring`, queued for the backward's
+        :meth:`deferred_pass`."""
+        if self.deferred is None:
+            self.scatter_at_end(product(), group, weight, together)
+        else:
+            self.deferred.append((product, group, weight, self.parameters[_key(weight)]))
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Inside, products queue their weights' gradients for :meth:`deferred_pass` (a zero-bubble
+        schedule's step); products queued and never run (a step that failed) are dropped on leaving."""
+        self.deferred = []
+        try:
+            yield
+        finally:
+            self.deferred = None
+
+    def deferred_pass(self) -> DeferredWeightPass:
+        """The weight pass of the backward that ran last: the products it queued, taken (see
+        :class:`DeferredWeightPass`); an empty pass outside :meth:`deferring`."""
+        if self.deferred is None:
+            return DeferredWeightPass(self, [])
+        taken, self.deferred = self.deferred, []
+        return DeferredWeightPass(self, taken)
+
+    def take(self, keys: list[tuple]) -> list[list[torch.Tensor]]:
+        """The shards left for the weights of ``keys`` (one list each), every queued reduce-scatter
+        started first; on CUDA the compute stream waits for their side streams."""
+        self.start_queued()
+        started = [self.pending.pop(key, []) for key in keys]
+        for stream in {stream for entries in started for _, stream in entries if stream is not None}:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        for entries in started:
+            for shard, stream in entries:
+                if stream is not None:
+                    shard.record_stream(torch.cuda.current_stream(stream.device))
+        return [[shard for shard, _ in entries] for entries in started]
 
     def scatter_at_end(
         self, gathered_grad: torch.Tensor, group, weight: torch.Tensor, together: int = 1
