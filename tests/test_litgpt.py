@@ -36,7 +36,7 @@ import harness
 import pytest
 import torch
 import torch.nn.functional as F
-from checks import assert_close, on_grids, rel, seed_for
+from checks import assert_close, on_grids, rel, seed_for, value_error
 from torch import nn
 
 pytest.importorskip("litgpt")
@@ -197,13 +197,6 @@ def refusals(grid) -> dict:
     def built(**changes) -> nn.Module:
         return GPT(Config(**{**CONFIGS["llama"], **changes}))
 
-    def message(fn) -> str:
-        try:
-            fn()
-        except ValueError as e:
-            return str(e)
-        return ""
-
     plain = parallelize(litgpt_model("llama"), grid=grid)
     ids = torch.randint(0, V, (B, S))
     moe = built(mlp_class_name="LLaMAMoE", n_expert=2, n_expert_per_token=1, moe_intermediate_size=16)
@@ -233,7 +226,7 @@ def refusals(grid) -> dict:
             "shift=True for labels: slice neither",
         ),
     }
-    errs = {k: float(needle not in message(fn)) for k, (fn, needle) in expected.items()}
+    errs = {k: float(needle not in value_error(fn)) for k, (fn, needle) in expected.items()}
     errs["moe_untouched"] = float(type(moe.transformer.wte) is not nn.Embedding)
     targets = torch.randint(0, V, (B, S))
     chunks = plain(ids, lm_head_chunk_size=3)  # LitGPT's chunks of the sequence, each a y-layout block

@@ -20,7 +20,7 @@ import copy
 import harness
 import torch
 import torch.nn.functional as F
-from checks import assert_close, on_grids, rel, seed_for
+from checks import assert_close, on_grids, rel, seed_for, value_error
 from torch import nn
 
 from lightning_3d.layout import gather_activation
@@ -196,14 +196,6 @@ def equivalence(grid, dense, b: int, s: int, padded: bool, checkpointing: bool =
 
 def refusals(grid, dense) -> dict:
     """0 where the call raises a ValueError naming the fix."""
-
-    def message(fn) -> str:
-        try:
-            fn()
-        except ValueError as e:
-            return str(e)
-        return ""
-
     call = inputs(grid, 1, 16, False)
     whole_only = parallelize(copy.deepcopy(dense), plan(attention=False), grid=grid)
     model = parallelize(copy.deepcopy(dense), plan(), grid=grid)
@@ -231,7 +223,9 @@ def refusals(grid, dense) -> dict:
             "Attention(core='sdpa') names no callable attribute",
         ),
     }
-    errs = {k: float(not all(n in message(fn) for n in needles)) for k, (fn, *needles) in expected.items()}
+    errs = {
+        k: float(not all(n in value_error(fn) for n in needles)) for k, (fn, *needles) in expected.items()
+    }
     errs["untouched"] = float(type(dense.tok) is not nn.Embedding)  # refused before the model changed
     return errs
 
