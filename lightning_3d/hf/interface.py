@@ -43,20 +43,12 @@ from torch import nn
 
 from ..agreement import agree_on_first_call
 from ..grid import Grid
-from ..layout import Layout
 from ..ops.cross_entropy import vocab_parallel_cross_entropy
 from ..ops.sequence_split import shift_labels as shift_labels_of
 from ..runtime import Runtime
-from ..token_rows import cached_token_rows, choose_rows, sequence_multiple
+from ..token_rows import cached_token_rows, choose_rows, local_rows, sequence_multiple
 
 CACHE_ARGS = ("cache", "past_key_values")
-
-
-def row_block(grid: Grid, row_axes: str, batch: int) -> slice:
-    """The rows of a full batch that this rank's ``row_axes`` block holds (``"xy"``: z-layout, ``"xz"``: y-layout)."""
-    n = batch // grid.size(row_axes)
-    start = grid.rank_in(row_axes) * n
-    return slice(start, start + n)
 
 
 def _per_sequence(position_ids: torch.Tensor | None) -> bool:
@@ -83,15 +75,14 @@ def attention_rows_mask(
     from .causal_mask import causal_mask
 
     b, s = input_ids.shape
-    rows = row_block(grid, "xz", b)
     if attention_mask is not None and attention_mask.dim() == 4:
-        return attention_mask[rows]
+        return local_rows(attention_mask, grid, "y")
     per_sequence = _per_sequence(position_ids)
     return causal_mask(
         model,
-        torch.empty(rows.stop - rows.start, s, 0, dtype=dtype, device=input_ids.device),
-        None if attention_mask is None else attention_mask[rows],
-        position_ids[rows] if per_sequence else position_ids,
+        torch.empty(b // grid.size("xz"), s, 0, dtype=dtype, device=input_ids.device),
+        None if attention_mask is None else local_rows(attention_mask, grid, "y"),
+        local_rows(position_ids, grid, "y") if per_sequence else position_ids,
         # with per-sequence positions the model must not build a mask of its own (its batch is z-layout)
         may_skip=not per_sequence,
     )
@@ -139,8 +130,7 @@ def lay_out_inputs(
         dtype = model.get_input_embeddings().weight.dtype
         call["attention_mask"] = attention_rows_mask(model, grid, input_ids, mask, positions, dtype)
     if _per_sequence(positions):
-        rows = "x" + Layout(positions_layout).row_axis
-        call["position_ids"] = positions[row_block(grid, rows, positions.shape[0])]
+        call["position_ids"] = local_rows(positions, grid, positions_layout)
     return (), call
 
 
