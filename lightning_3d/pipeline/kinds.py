@@ -24,6 +24,8 @@ SCHEDULES = (
     "DualPipeV",
 )
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+#: the schedules with weight actions (W) apart from the backward, to which weight gradients are deferred
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def canonical_name(name: str) -> str:

@@ -36,12 +36,19 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _ComputationType
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from .. import arguments
 from ..layers.base import Module3D
 from ..runtime import Runtime
-from .kinds import canonical_name, fixed_stages_per_rank, schedule_class, stage_indices, stage_owner
+from .kinds import (
+    ZERO_BUBBLE,
+    canonical_name,
+    fixed_stages_per_rank,
+    schedule_class,
+    stage_indices,
+    stage_owner,
+)
 from .stages import Autocast, Stage
 
 
@@ -77,7 +84,7 @@ class Pipeline:
             torch_stages[0] if single else torch_stages, n_microbatches, loss_fn=self._loss, scale_grads=False
         )
         #: whether the schedule has weight actions, so that the stages' backward passes defer weight gradients
-        self.defers_weights = _has_weight_actions(self.schedule)
+        self.defers_weights = self.schedule_name in ZERO_BUBBLE
 
     def step(
         self, ids: torch.Tensor | None = None, targets: torch.Tensor | None = None, loss_scale: float = 1.0
@@ -178,16 +185,6 @@ def _weight_pass(runtimes: list[Runtime]) -> Callable[[], None]:
             deferred()
 
     return passes[0] if len(passes) == 1 else run
-
-
-def _has_weight_actions(schedule) -> bool:
-    """Whether ``schedule`` (a multi-stage one) runs weight actions (W) apart from the backward."""
-    order = getattr(schedule, "pipeline_order", None) or {}
-    return any(
-        action is not None and action.computation_type == _ComputationType.BACKWARD_WEIGHT
-        for actions in order.values()
-        for action in actions
-    )
 
 
 def build_schedule(
