@@ -40,52 +40,70 @@ class TimedStage(nn.Module):
     def __init__(self, share: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(4))
-        self.forward_s, self.backward_s = FORWARD_S * share, BACKWARD_S * share
+        self.share = share
+        self.forward_s = self.backward_s = 0.0
+
+    def time(self, on: bool) -> None:
+        """Give the stage its known cost (``on``) or none."""
+        self.forward_s, self.backward_s = (
+            (FORWARD_S * self.share, BACKWARD_S * self.share) if on else (0.0, 0.0)
+        )
 
     def forward(self, x):
         return _Timed.apply(x * self.weight, self.forward_s, self.backward_s)
 
 
 def bubble_job(schedule: str, microbatches: int, per_rank: int) -> float:
-    """The measured share of a step this rank idles, under ``schedule`` on a pipe of every rank."""
+    """The measured share of a step this rank idles, under ``schedule`` on a pipe of every rank.
+
+    A step of stages of known cost takes the schedule's ideal time plus the cost of running it
+    (hand-overs, the schedule's own work, which on a loaded 2-core machine is a tenth of a second);
+    a step of the same schedule with stages of no cost takes that cost alone, and is taken off."""
     pp, rank = dist.get_world_size(), dist.get_rank()
     indices = (
         [rank, 2 * pp - 1 - rank] if schedule == "ZBVZeroBubble" else [rank + k * pp for k in range(per_rank)]
     )
+    modules = [TimedStage(1 / per_rank) for _ in indices]
     stages = [
         PipelineStage(
-            TimedStage(1 / per_rank),
+            module,
             i,
             pp * per_rank,
             torch.device("cpu"),
             input_args=(torch.ones(1, 4, requires_grad=i > 0),),  # activations between stages take gradients
             output_args=torch.ones(1, 4, requires_grad=True),
         )
-        for i in indices
+        for module, i in zip(modules, indices)
     ]
     cls = schedule_class(schedule)
     runner = cls(stages[0] if per_rank == 1 else stages, microbatches, loss_fn=lambda out, target: out.sum())
     batch = torch.ones(microbatches, 4)
-    steps = []
-    for _ in range(3):  # the first warms up
-        dist.barrier()
-        start = time.perf_counter()
-        args = (
-            (batch,) if 0 in indices else ()
-        )  # the input where the first stage runs, the target at the last
-        kwargs = {"target": batch} if pp * per_rank - 1 in indices else {}
-        runner.step(*args, **kwargs)
-        dist.barrier()
-        steps.append(time.perf_counter() - start)
+    args = (batch,) if 0 in indices else ()  # the input where the first stage runs, the target at the last
+    kwargs = {"target": batch} if pp * per_rank - 1 in indices else {}
+
+    def fastest_step(timed: bool, steps: int) -> float:
+        for m in modules:
+            m.time(timed)
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            runner.step(*args, **kwargs)
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    fastest_step(False, 1)  # warms up
+    overhead = fastest_step(False, 3)
     work = microbatches * (FORWARD_S + BACKWARD_S)
-    return 1 - work / min(steps[1:])
+    return 1 - work / (fastest_step(True, 2) - overhead)
 
 
 @pytest.mark.parametrize("schedule, microbatches, per_rank", [("GPipe", 4, 1), ("1F1B", 8, 1)])
 def test_bubble_on_cpu_is_the_formula(schedule, microbatches, per_rank):
     measured = harness.run(4, bubble_job, schedule, microbatches, per_rank)
     formula = cost.bubble_fraction(4, microbatches, per_rank)
-    assert all(abs(b - formula) < 0.06 for b in measured), (schedule, formula, measured)
+    assert all(abs(b - formula) < 0.05 for b in measured), (schedule, formula, measured)
 
 
 LLAMA = cost.ModelShape(4096, 32, 2048, 16, 32, 11008, kv_heads=8, gated=True, vocab=32000)
