@@ -28,6 +28,7 @@ from typing import Any
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -37,6 +38,7 @@ from lightning_3d import arguments
 from lightning_3d.grid import Grid
 from lightning_3d.parallel import set_options
 from lightning_3d.pipeline import Stage, split_stages
+from lightning_3d.sharding import get_spec
 
 from .config import SECTION
 
@@ -125,8 +127,22 @@ class StagePipelineModule(PipelineModule):
             self.add_module(name, child)
         stage.module.register_forward_pre_hook(lambda module, args: self._bind(args[0]))
         self.forward_funcs = [stage.module]  # DeepSpeed's one layer: called, saved and loaded as the stage
-        for p in self.parameters():
-            p.ds_pipe_replicated = False  # no parameter is tied between stages (split_stages refuses that)
+        for p in self.parameters():  # a stage's copy of another stage's parameter (a tied head) counts there
+            p.ds_pipe_replicated = getattr(get_spec(p), "copy_of", None) is not None
+
+    def get_tied_weights_and_groups(self) -> list:
+        """DeepSpeed's pipeline engine calls this once a step, after the backward passes and before it
+        reduces the gradients over dp: here the gradients of a parameter that the first and the last
+        stage share (a tied embedding and head, :mod:`lightning_3d.pipeline.tied`) are summed over the
+        two stages, wherever DeepSpeed accumulates them (:func:`_accumulated_grad`), and nothing is
+        returned for the engine to sum again (it would read ``.grad``, which ZeRO leaves empty when it
+        accumulates in another dtype)."""
+        for tied in self.stage.tied:
+            (param,) = tied.held
+            grad = _accumulated_grad(param)
+            if grad is not None:
+                dist.all_reduce(grad, group=tied.group)
+        return []
 
     def bind_micro_batches(self, micro_batch_size: int) -> None:
         """Run micro-batches of ``micro_batch_size`` sequences (the engine's ``train_micro_batch_size_per_gpu``)."""
@@ -176,6 +192,17 @@ class StagePipelineModule(PipelineModule):
             )
 
 
+def _accumulated_grad(param: nn.Parameter) -> torch.Tensor | None:
+    """Where DeepSpeed holds ``param``'s gradient between the backward passes and their reduction: ZeRO's
+    accumulator in its own dtype (``grad_accum``), ``.grad``, or the bf16 optimizer's fp32 ``_hp_grad``.
+    Private to DeepSpeed: its engine reads the same attributes."""
+    for attr in ("grad_accum", "grad", "_hp_grad"):
+        grad = getattr(param, attr, None)
+        if isinstance(grad, torch.Tensor):
+            return grad
+    return None
+
+
 class _OtherStage:
     """Stage ``index`` as this rank's ``PipelineModule`` lists it: held by other ranks."""
 
@@ -197,7 +224,7 @@ def pipeline_module(
     (``RuntimeOptions`` fields) and wrapped for DeepSpeed's pipeline engine.
 
     Collective over the grid's cube. Raises ``ValueError`` for what ``split_stages`` refuses (a model
-    already holding 3-D layers, tied embeddings, more stages than layers, bad split points).
+    already holding 3-D layers, more stages than layers, bad split points).
     """
     deepspeed.init_distributed()  # DeepSpeed's comm, over the process group that exists
     local_rank = os.environ.get("LOCAL_RANK")

@@ -36,16 +36,16 @@ _current: Grid | None = None
 
 
 def normalize_axes(axes: str) -> str:
-    """``"zx"`` → ``"xz"``; ``"cube"`` → ``"xyz"``; ``"dp"``, ``"pipe"`` and ``"replica"`` stay.
-    Rejects anything else."""
-    if axes in ("dp", "pipe", "replica"):
+    """``"zx"`` → ``"xz"``; ``"cube"`` → ``"xyz"``; ``"dp"``, ``"pipe"``, ``"ends"`` and ``"replica"``
+    stay. Rejects anything else."""
+    if axes in ("dp", "pipe", "ends", "replica"):
         return axes
     if axes == "cube":
         return "xyz"
     if not axes or any(a not in CUBE_AXES for a in axes) or len(set(axes)) != len(axes):
         raise ValueError(
             f"unknown grid axes {axes!r}; use 'x', 'y', 'z', 'dp', a plane such as 'xz', 'cube', "
-            "'pipe' or 'replica'"
+            "'pipe', 'ends' or 'replica'"
         )
     return "".join(a for a in CUBE_AXES if a in axes)
 
@@ -144,8 +144,10 @@ class Grid:
     def group(self, axes: str) -> dist.ProcessGroup:
         """The process group of the ranks that differ from this one only along ``axes``: inside this
         stage for the cube's axes and ``"dp"``; across the stages for ``"pipe"`` (this rank's
-        :meth:`stage_peer` of every stage, in stage order) and ``"replica"`` (every stage's cube of
-        this rank's replica, the cube itself when ``pp = 1``)."""
+        :meth:`stage_peer` of every stage, in stage order), ``"ends"`` (this rank's peers of the first
+        and the last stage, which share a tied embedding and head; the ``"pipe"`` group when
+        ``pp ≤ 2``; None on the stages between) and ``"replica"`` (every stage's cube of this rank's
+        replica, the cube itself when ``pp = 1``)."""
         if not self._groups:
             raise RuntimeError(
                 f"{self!r}: its process groups were destroyed by destroy_grid; build another grid with init_grid"
@@ -240,7 +242,8 @@ def _backend_options(backend: str, timeout: datetime.timedelta | None):
 
 def _subgroup(ranks: torch.Tensor, dims: list[int], timeout: datetime.timedelta | None) -> dist.ProcessGroup:
     """This rank's group of the ranks that differ only along ``dims`` of ``ranks`` (global ranks laid out
-    as the grid's mesh); every rank creates every such group, in the same order."""
+    as the grid's mesh; None when ``ranks`` leaves this rank out); every rank creates every such group,
+    in the same order."""
     rest = [d for d in range(ranks.dim()) if d not in dims]
     members = ranks.permute(rest + dims).reshape(-1, math.prod(ranks.shape[d] for d in dims))
     group, _ = dist.new_subgroups_by_enumeration(members.tolist(), timeout=timeout)
@@ -313,6 +316,7 @@ def init_grid(
         for plane in itertools.combinations(CUBE_AXES, n):
             groups["".join(plane)] = _subgroup(ranks, [2 + CUBE_AXES.index(a) for a in plane], timeout)
     groups["replica"] = _subgroup(ranks, [0, 2, 3, 4], timeout) if pp > 1 else groups["xyz"]
+    groups["ends"] = _subgroup(ranks[[0, -1]], [0], timeout) if pp > 2 else groups["pipe"]
     stage, *coords = (int(c) for c in root.get_coordinate())
     _current = Grid(
         shape=shape,

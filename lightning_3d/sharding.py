@@ -26,10 +26,17 @@ class ShardSpec:
     Derived on construction (every forward reads them, compiled code included): ``sharded_axes``,
     the cube axes that cut the tensor in x, y, z order (``"xyz"``, ``"y"``), and
     ``replicated_axes``, those that hold copies of the same shard (``""`` when none).
+
+    ``copy_of``: on a pipeline stage's copy of a parameter that an earlier stage holds too (a tied
+    LM head on the last stage, :mod:`lightning_3d.pipeline.tied`), the copy's name and that
+    parameter's in the whole model (``("lm_head.weight", "transformer.wte.weight")``): its values and
+    gradients are that parameter's, so norms do not count it and checkpoints name its optimizer state
+    by that parameter's name (:meth:`held_as`). Not part of the layout (equal specs compare equal).
     """
 
     global_shape: tuple[int, ...]
     dims: tuple[tuple[str, ...], ...]
+    copy_of: tuple[str, str] | None = field(default=None, compare=False)
     sharded_axes: str = field(init=False, repr=False, compare=False)
     replicated_axes: str = field(init=False, repr=False, compare=False)
 
@@ -78,9 +85,18 @@ class ShardSpec:
         )
 
     def is_representative(self, grid: Grid, coords: tuple[int, int, int] | None = None) -> bool:
-        """True on exactly one rank of each set of replicas inside a cube: coordinate 0 on every replicating axis."""
+        """True on exactly one rank of each set of replicas inside a cube (coordinate 0 on every replicating
+        axis), and never on a stage's copy of another stage's parameter (``copy_of``)."""
         coords = coords if coords is not None else grid.coords[1:]
-        return all(coords[CUBE_AXES.index(a)] == 0 for a in self.replicated_axes)
+        return self.copy_of is None and all(coords[CUBE_AXES.index(a)] == 0 for a in self.replicated_axes)
+
+    def held_as(self, name: str) -> str:
+        """The name of the parameter named ``name`` (its name in some module) as its optimizer state is
+        kept: its own, or for a stage's copy (``copy_of``) the parameter's, under the same prefix."""
+        if self.copy_of is None:
+            return name
+        own, parameter = self.copy_of
+        return name[: len(name) - len(own)] + parameter
 
     def describe(self, grid: Grid) -> str:
         """``[K, N] sharded (y·x, z), replicated over -`` for ``extra_repr``."""

@@ -2,8 +2,9 @@
 against the dense model, in one gloo world of 4 processes: DeepSpeed imports slowly and CPU is scarce, so one
 job checks everything.
 
-- pp 2 × 2×1×1, ZeRO-1: a DenseGPT built on ``meta`` (each rank materialises its own stage, drawing the
-  whole model's initial values), micro-batches of one sequence (token rows), four accumulated a step:
+- pp 2 × 2×1×1, ZeRO-1: a DenseGPT whose head is tied to its embedding (the first and the last stage
+  each hold the weight, their gradients summed), built on ``meta`` (each rank materialises its own
+  stage, drawing the whole model's initial values), micro-batches of one sequence (token rows), four accumulated a step:
   three AdamW steps of ``engine.train_batch()`` with clipping active give the dense model's losses,
   gradient norms and every parameter, under the whole model's names; ``eval_batch`` its loss;
   ``save_checkpoint``, a step, ``load_checkpoint`` and the same step again give the same weights bit for
@@ -57,10 +58,10 @@ def ds_config(shape, micro: int, accumulation: int, dp: int = 1, **extra) -> dic
     }
 
 
-def gpt_config(n_layer: int):
+def gpt_config(n_layer: int, tied: bool = False):
     from lightning_3d.models import GPTConfig
 
-    return GPTConfig(vocab_size=V, block_size=12, n_layer=n_layer, n_head=4, n_embd=16, tie_embeddings=False)
+    return GPTConfig(vocab_size=V, block_size=12, n_layer=n_layer, n_head=4, n_embd=16, tie_embeddings=tied)
 
 
 def data(dp: int, accumulation: int, micro: int, vocab: int, seed: int, shifted: bool = False) -> list:
@@ -135,10 +136,10 @@ def gpt_on_meta(ckpt: str) -> dict:
 
     grid = init_grid((2, 1, 1), pipeline_size=2)
     torch.manual_seed(4)
-    dense = DenseGPT(gpt_config(2), dtype=F64)
+    dense = DenseGPT(gpt_config(2, tied=True), dtype=F64)
     torch.manual_seed(4)  # the stages draw the whole model's initial values from the same seed
     engine, *_ = deepspeed_3d.initialize(
-        model=DenseGPT(gpt_config(2), device="meta", dtype=F64), config=ds_config((2, 1, 1), 1, 4)
+        model=DenseGPT(gpt_config(2, tied=True), device="meta", dtype=F64), config=ds_config((2, 1, 1), 1, 4)
     )
     batches = data(1, 4, 1, V, 7)
     out = compare("gpt", engine, grid, dense, dense, batches)

@@ -8,9 +8,12 @@ built on ``meta`` is split into stages, given the dense model's weights, and tak
 on four micro-batches of one sequence each (token rows on the cubes of several ranks, whole sequences
 on one rank); the loss of every step and every parameter after them equal DenseGPT's on one
 process (each dp replica on its own batch).
-Each stage holds its parameters under the whole model's names, and a stage built on ``meta`` draws
-the same initial values as the whole model. Hugging Face's Llama (GQA) and GPT-2, untied, split
-into two stages of 2×1×1, train as the unmodified models do. A ``PipelinedModel``'s schedule runs its
+Tied embeddings (the head's weight the token embedding's) train as the dense model's on the last
+layouts, where the first and the last stage hold the weight on two ranks of a pp-4 pipe, on ranks of
+2×2×1 cubes, and on one rank (ZBVZeroBubble). Each stage holds its parameters under the whole
+model's names, and a stage built on ``meta`` draws the same initial values as the whole model (the
+last stage's tied head the first stage's embedding). Hugging Face's Llama (GQA, untied) and GPT-2
+(tied), split into two stages of 2×1×1, train as the unmodified models do. A ``PipelinedModel``'s schedule runs its
 backward from the loss times an fp16 scaler's scale. The refusals name their numbers and fixes.
 """
 
@@ -32,16 +35,24 @@ from lightning_3d.pipeline import PipelinedModel, build_schedule, layer_ranges, 
 V, B, S, STEPS = 50, 4, 8, 3
 F64 = torch.float64
 TOL = 1e-9
-STYLES = {"gpt2": {}, "llama": dict(style="llama", ffn_hidden=24, n_kv_head=2)}
-# world → [((pp, (px, py, pz), dp), style, schedules)]; a schedule with split points as (name, points)
+LLAMA = dict(style="llama", ffn_hidden=24, n_kv_head=2)
+STYLES = {
+    "gpt2": {},
+    "llama": LLAMA,
+    "gpt2_tied": dict(tie_embeddings=True),
+    "llama_tied": dict(LLAMA, tie_embeddings=True),
+}
+# world → [((pp, (px, py, pz), dp), style, schedules)]; a schedule with split points as (name, points).
+# Tied embeddings: the first and the last stage on ranks of a pp-4 pipe (their "ends" group), on a
+# 2×2×1 cube (the pipe group), and on one rank (ZBVZeroBubble: rank 0 runs both).
 LAYOUTS = {
     4: [
         # GPipe: layers 0 | 1-3
         ((2, (2, 1, 1), 1), "gpt2", (("GPipe", [1]), "1F1B", "InterleavedZeroBubble")),
         ((2, (1, 1, 1), 2), "llama", ("GPipe", "1F1B", "Interleaved1F1B")),
-        ((4, (1, 1, 1), 1), "gpt2", ("GPipe", "1F1B")),
+        ((4, (1, 1, 1), 1), "gpt2_tied", ("GPipe", "1F1B")),
     ],
-    8: [((2, (2, 2, 1), 1), "llama", ("GPipe", "1F1B", "ZBVZeroBubble"))],
+    8: [((2, (2, 2, 1), 1), "llama_tied", ("GPipe", "1F1B", "ZBVZeroBubble"))],
 }
 
 
@@ -172,7 +183,10 @@ def test_stages_train_as_dense(world):
     _assert_small(harness.run(world, layouts_job, world))
 
 
-HF_MODELS = {"llama": lambda: llama(False), "gpt2": lambda: gpt2(False)}  # GQA Llama; both untied, 2 layers
+HF_MODELS = {
+    "llama": lambda: llama(False),
+    "gpt2": lambda: gpt2(True),
+}  # GQA Llama untied, GPT-2 tied; 2 layers
 
 
 def hf_job() -> dict:
@@ -244,15 +258,21 @@ def test_loss_scale_reaches_the_schedules_backward():
     _assert_small(harness.run(4, loss_scale_job))
 
 
+def tied_layers(model: DenseGPT) -> DenseGPT:
+    """``model`` with layer 1's QKV weight layer 0's (stages 0 and 1 of four would share it)."""
+    model.transformer.h[1].attn.c_attn.weight = model.transformer.h[0].attn.c_attn.weight
+    return model
+
+
 def refusals_job() -> dict:
     """Each refusal's message names its numbers and its fix (0: as expected)."""
     grid = init_grid((1, 1, 1), pipeline_size=2, data_parallel_size=2)
     meta = lambda **kw: DenseGPT(config("gpt2", **kw), device="meta", dtype=F64)  # noqa: E731
     stages = split_stages(meta(), grid, schedule="1F1B")
     expected = {
-        "tied": (
-            lambda: split_stages(meta(tie_embeddings=True), grid),
-            "untie it (GPTConfig(tie_embeddings=False)",
+        "tied_between": (
+            lambda: split_stages(tied_layers(meta()), grid, schedule="Interleaved1F1B"),
+            "only the first and the last pipeline stage may share a parameter",
         ),
         "parallelized": (lambda: split_stages(GPT3D(config("gpt2"), grid), grid), "split the plain model"),
         "attention_plan": (

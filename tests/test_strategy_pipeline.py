@@ -1,7 +1,8 @@
 """Tensor3DStrategy(pipeline_size=...) in real multi-process ``Trainer.fit`` runs (gloo, CPU), judged against DenseGPT.
 
 One world of 4, each rank a process started here (``lightning_scripts/pipeline.py``, whose docstring
-names the runs): pp 2 × 2×1×1 under 1F1B, and pp 2 × 1×1×1 × dp 2 with ZeRO-1 under Interleaved1F1B
+names the runs), DenseGPT with its head tied to its embedding (the first and the last stage each
+hold the weight): pp 2 × 2×1×1 under 1F1B, and pp 2 × 1×1×1 × dp 2 with ZeRO-1 under Interleaved1F1B
 with two batches accumulated a step, train as the dense twin (losses, clipped gradient norms), and
 ``validate`` runs through the pipeline. Checkpoints of stages: the latter's resumes at pp 4 ×
 1×1×1; SIGTERM to a rank of stage 1 stops every rank at the same step with a checkpoint, which
@@ -64,7 +65,7 @@ def records(out: Path, name: str) -> list[dict]:
 
 def test_two_stages_train_as_the_dense_twin(runs):
     """pp 2 × 2×1×1: every rank of both stages logs the dense twin's losses and clipped gradient norms."""
-    dense = common.dense_reference(6, n_layer=2, tied=False)
+    dense = common.dense_reference(6, n_layer=2)
     recs = records(runs, "P")
     assert sorted(r["stage"] for r in recs) == [0, 0, 1, 1]
     for r in recs:
@@ -78,7 +79,7 @@ def test_model_summary_counts_every_stage(runs):
     """Rank 0 holds stage 0 only; Lightning's table states the whole model's size."""
     from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
-    total = sum(p.numel() for p in DenseGPT(common.config(n_layer=2, tied=False)).parameters())
+    total = sum(p.numel() for p in DenseGPT(common.config(n_layer=2)).parameters())
     log = (runs / "world4.log0").read_text()
     stated = [line.split(":")[-1].strip() for line in log.splitlines() if "Total params" in line]
     assert stated[:1] == [get_human_readable_count(total).strip()], (
@@ -88,8 +89,8 @@ def test_model_summary_counts_every_stage(runs):
 
 def test_validate_runs_through_the_pipeline(runs):
     """``trainer.validate`` after fit: the dense twin's loss on the same batches, every shard kept."""
-    dense = DenseGPT(common.config(n_layer=2, tied=False))
-    dense.load_state_dict(common.dense_reference(6, n_layer=2, tied=False)["state"])
+    dense = DenseGPT(common.config(n_layer=2))
+    dense.load_state_dict(common.dense_reference(6, n_layer=2)["state"])
     with torch.no_grad():
         losses = [
             dense(t[:, :-1], t[:, 1:]).item() for _, t in DataLoader(common.Tokens(), common.GLOBAL_BATCH)
@@ -112,7 +113,7 @@ def assert_accumulated_steps(r: dict, dense: dict, what: str) -> None:
 def test_zero1_over_dp_interleaved_and_accumulated_as_the_dense_twin(runs):
     """pp 2 × 1×1×1 × dp 2, ZeRO-1, two stages a rank (Interleaved1F1B), batches of 4 accumulated two a step: the
     dense twin's steps of 8, in float64."""
-    dense = common.dense_reference(3, n_layer=4, tied=False, dtype=F64)
+    dense = common.dense_reference(3, n_layer=4, dtype=F64)
     for r in records(runs, "Q"):
         assert r["global_step"] == 3 and r["dp"] == 2
         assert_accumulated_steps(r, dense, "pp 2 × dp 2 ZeRO-1")
@@ -151,7 +152,7 @@ def test_to_dense_of_a_checkpoint_of_stages_is_the_dense_twin(runs, tmp_path):
     out = tmp_path / "dense.safetensors"
     ckpt.main(["to-dense", str(runs / "preempted.ckpt"), str(out)])
     model = dense_gpt(out, dtype=F64)
-    want = common.dense_reference(3, n_layer=2, tied=False, dtype=F64)["state"]
+    want = common.dense_reference(3, n_layer=2, dtype=F64)["state"]
     got = model.state_dict()
     assert got.keys() == want.keys()
     err = max(float((got[k] - want[k]).abs().max()) for k in want)
@@ -161,7 +162,7 @@ def test_to_dense_of_a_checkpoint_of_stages_is_the_dense_twin(runs, tmp_path):
 def test_a_checkpoint_of_two_stages_resumes_without_stages_on_another_grid(runs):
     """The preempted pp 2 × 2×1×1 checkpoint resumed on pp 1 × 1×2×1 × dp 2 with ZeRO-1 (model and AdamW state
     resharded, every stage's tensors read by every rank): steps 4-6 are the uninterrupted dense twin's."""
-    dense = common.dense_reference(6, n_layer=2, tied=False, dtype=F64)
+    dense = common.dense_reference(6, n_layer=2, dtype=F64)
     for r in records(runs, "S"):
         assert (r["global_step"], r["stage"], r["grid"], r["dp"]) == (6, 0, [1, 2, 1], 2)
         assert_close(r["loss"], dense["loss"][3:], f"rank {r['coords']}: losses after resuming", TOL64)
@@ -171,7 +172,7 @@ def test_a_checkpoint_of_two_stages_resumes_without_stages_on_another_grid(runs)
 def test_a_checkpoint_of_two_stages_resumes_on_four(runs):
     """Q's checkpoint (pp 2 × dp 2, ZeRO-1, two stages a rank) resumed at pp 4 × 1×1×1 (each rank reads one
     stage's model and AdamW state): its second epoch is the uninterrupted dense twin's steps 4-6."""
-    dense = common.dense_reference(6, n_layer=4, tied=False, dtype=F64)
+    dense = common.dense_reference(6, n_layer=4, dtype=F64)
     dense = {k: dense[k][3:] for k in ("loss", "grad_norm")}
     recs = records(runs, "R")
     assert sorted(r["stage"] for r in recs) == [0, 1, 2, 3]

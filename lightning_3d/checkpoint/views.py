@@ -83,8 +83,12 @@ def global_shapes(module: nn.Module) -> dict[str, list[int]]:
 
 
 def parameter_names(module: nn.Module) -> dict[int, str]:
-    """``id(param)`` → its (first) name in ``module``."""
-    return {id(p): name for name, p in module.named_parameters()}
+    """``id(param)`` → its (first) name in ``module``; a pipeline stage's copy of another stage's
+    parameter (``ShardSpec.copy_of``) goes by that parameter's name, whose optimizer state it shares."""
+    return {
+        id(p): name if get_spec(p) is None else get_spec(p).held_as(name)
+        for name, p in module.named_parameters()
+    }
 
 
 def _state_view(value, param: torch.Tensor, grid: Grid, what: str):

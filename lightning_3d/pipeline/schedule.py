@@ -94,10 +94,16 @@ class Pipeline:
         cube rank; elsewhere they may be None). Gradients accumulate into each stage's ``.grad``, as a
         ``backward`` does, times ``loss_scale``.
 
+        A parameter that the first and the last stage share (a tied embedding and head) gets the sum
+        of both stages' gradients on each (:mod:`.tied`).
+
         Returns the batch's mean loss (detached, float64, not scaled) on every rank: one broadcast over
         the ``"pipe"`` group from the rank of the last stage.
         """
-        return self._run(self.schedule.step, ids, targets, loss_scale)
+        loss = self._run(self.schedule.step, ids, targets, loss_scale)
+        for tied in self.stages[0].tied:
+            tied.sum_grads()
+        return loss
 
     def evaluate(self, ids: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The batch's mean loss, as :meth:`step` returns it, from the forward passes only (no gradients)."""

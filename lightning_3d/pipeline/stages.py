@@ -39,8 +39,9 @@ from ..models.dense import init_order
 from ..options import RuntimeOptions
 from ..parallel import Plan, find_plan, parallelize
 from ..parallel.plan import matches
-from .kinds import stage_indices
+from .kinds import stage_indices, stage_owner
 from .split import MicroBatch, StageSplit, find_split, layer_ranges
+from .tied import TiedParameter, tie_across_stages
 
 
 class StageLayers(nn.Module):
@@ -95,6 +96,8 @@ class Stage:
     grid: Grid
     micro_batch: MicroBatch | None = None
     autocast: Autocast | None = None
+    #: the parameters this rank's stages share with another stage (:mod:`.tied`), the same list on each
+    tied: list[TiedParameter] = dataclasses.field(default_factory=list)
 
     @property
     def is_first(self) -> bool:
@@ -186,8 +189,9 @@ def split_stages(
         plan, options, device: as :func:`~lightning_3d.parallel.parallelize` takes them.
 
     Raises:
-        ValueError: no built-in split or plan; a parameter that two stages would hold (a tied
-            embedding and head) or that no stage holds; more stages than layers; bad split points;
+        ValueError: no built-in split or plan; a parameter that no stage holds, or that two stages
+            hold other than the first and the last (a tied embedding and head, see :mod:`.tied`);
+            more stages than layers; bad split points;
             a plan pattern that matches no module of the model; a plan that names attention modules;
             what ``parallelize`` refuses.
     """
@@ -209,7 +213,7 @@ def split_stages(
     num_stages = grid.pipeline_size * len(indices)
     ranges = layer_ranges(len(model.get_submodule(split.layers)), num_stages, split_points)
     _check_patterns(model, plan)
-    _check_owned_once(model, split, ranges)
+    ties = _ties(model, split, ranges)
     device = torch.device(device) if device is not None else torch.get_default_device()
     drawn = init_order(model) if plan.init is not None and _on_meta(model) else []
     modules = [_share_tensors_copy(model) for _ in indices[1:]] + [model]
@@ -222,6 +226,12 @@ def split_stages(
         stage = Stage(module, index, num_stages, ranges[index], split, grid)
         module.forward = stage.forward
         stages.append(stage)
+    shared_rank = stage_owner(0, grid.pipeline_size, schedule) == stage_owner(
+        num_stages - 1, grid.pipeline_size, schedule
+    )
+    tied = tie_across_stages({s.index: s.module for s in stages}, ties, num_stages - 1, grid, shared_rank)
+    for stage in stages:
+        stage.tied = tied
     return stages
 
 
@@ -237,11 +247,13 @@ def _owner(name: str, split: StageSplit, ranges: list[range]) -> int | None:
     return None
 
 
-def _check_owned_once(model: nn.Module, split: StageSplit, ranges: list[range]) -> None:
-    """Every parameter belongs to exactly one stage: stages hold copies of what they share, which would train apart."""
+def _ties(model: nn.Module, split: StageSplit, ranges: list[range]) -> list[dict[int, str]]:
+    """The parameters that the first and the last stage both hold (a tied embedding and head): for each,
+    ``{stage: the name that stage holds it under}``. Every other parameter belongs to exactly one stage."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
+    last, ties = len(ranges) - 1, []
     for held in names.values():
         owners = {n: _owner(n, split, ranges) for n in held}
         if None in owners.values():
@@ -251,13 +263,17 @@ def _check_owned_once(model: nn.Module, split: StageSplit, ranges: list[range]) 
                 f"gives the first stage {split.first} or the last {split.last}: every stage would hold a copy; "
                 "name its module in the split's first or last modules"
             )
-        if len(set(owners.values())) > 1:
+        stages = set(owners.values())
+        if len(stages) == 1:
+            continue
+        if stages != {0, last}:
             where = ", ".join(f"{n} (stage {s})" for n, s in owners.items())
             raise ValueError(
-                f"{type(model).__name__}: one parameter is held under {where}, which are different pipeline stages; "
-                "untie it (GPTConfig(tie_embeddings=False); Hugging Face: config.tie_word_embeddings=False) "
-                "or run one stage"
+                f"{type(model).__name__}: one parameter is held under {where}; only the first and the last "
+                "pipeline stage may share a parameter (a tied embedding and head): untie it or move the split points"
             )
+        ties.append({s: next(n for n, o in owners.items() if o == s) for s in (0, last)})
+    return ties
 
 
 def _check_patterns(model: nn.Module, plan: Plan) -> None:

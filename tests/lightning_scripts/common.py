@@ -84,8 +84,8 @@ def module_class(namespace: str):
 
     class LitGPT(pl.LightningModule):
         """``workers > 0``: the training data is loaded by that many worker processes, which draw a random
-        number a sample. ``pipeline``: the plain DenseGPT, untied, which the strategy splits into pipeline stages;
-        ``untied``: GPT3D untied, as such a model without stages."""
+        number a sample. ``pipeline``: the plain DenseGPT (its head tied to its embedding across the first
+        and the last stage), which the strategy splits into pipeline stages."""
 
         def __init__(
             self,
@@ -94,7 +94,6 @@ def module_class(namespace: str):
             global_batch: int = GLOBAL_BATCH,
             n_layer: int = 1,
             pipeline: bool = False,
-            untied: bool = False,
         ):
             super().__init__()
             self.save_hyperparameters()
@@ -114,7 +113,7 @@ def module_class(namespace: str):
                 torch.manual_seed(INIT_SEED)
                 model = DenseGPT if self.hparams.pipeline else GPT3D
                 hp = self.hparams
-                self.model = model(config(hp.dropout, hp.n_layer, tied=not (hp.pipeline or hp.untied)))
+                self.model = model(config(hp.dropout, hp.n_layer))
 
         def train_dataloader(self):
             workers = self.hparams.workers
@@ -176,15 +175,14 @@ def fit(
     pipeline=False,
     accumulate=1,
     checkpoints=True,
-    untied=False,
 ):
     """One ``Trainer.fit`` with a checkpoint at every epoch end under ``ckpt_dir`` (default ``out/name``; none
     without ``checkpoints``); writes ``out/name.rank<r>.json``.
 
     ``summary``: Lightning's model summary table, printed by rank 0. ``workers``: dataloader worker processes.
     ``global_batch``: sequences a step over all replicas (a batch, with ``accumulate`` batches a step).
-    ``pipeline``: the LightningModule builds the plain DenseGPT of ``n_layer`` layers, untied, which the strategy
-    splits; ``untied``: GPT3D untied (it loads a checkpoint of such stages).
+    ``pipeline``: the LightningModule builds the plain DenseGPT of ``n_layer`` layers, which the strategy
+    splits into stages.
     """
     pl = importlib.import_module(namespace)
     save_every_epoch = importlib.import_module(f"{namespace}.callbacks").ModelCheckpoint(
@@ -205,7 +203,7 @@ def fit(
         enable_checkpointing=checkpoints,
         accumulate_grad_batches=accumulate,
     )
-    module = module_class(namespace)(dropout, workers, global_batch, n_layer, pipeline, untied)
+    module = module_class(namespace)(dropout, workers, global_batch, n_layer, pipeline)
     trainer.fit(module, ckpt_path=ckpt_path)
     strategy = trainer.strategy
     record = {

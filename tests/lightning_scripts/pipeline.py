@@ -10,13 +10,14 @@ rank, as ``suite.py``), ending in rank 2's death (K); test_strategy_pipeline.py 
   ``OUT/signalled_at``): every rank must stop at global step 3, save ``OUT/preempted.ckpt`` and
   raise ``Preempted`` (exit status 143), which each rank catches here, noting its status and the
   time in ``OUT/T.stopped<rank>``, to run on.
-- S: ``OUT/preempted.ckpt`` resumed without stages on 1×2×1 × dp 2 with ZeRO-1 (the untied GPT3D), to
+- S: ``OUT/preempted.ckpt`` resumed without stages on 1×2×1 × dp 2 with ZeRO-1 (GPT3D), to
   2 epochs.
 - K: as P; rank 2 (stage 1) SIGKILLs itself inside the schedule of step 2, at its second
   micro-batch's forward, once its stage has handed the first micro-batch's gradient back (noting the
   time in ``OUT/killed_at``). Every other rank must exit within the 60 s timeout with tensor3d's
   message; each notes when in ``OUT/K.exit<rank>``.
 
+Every run trains DenseGPT with its head tied to its embedding (held by the first and the last stage).
 Q, R, S, T and K run in float64 (``precision="64-true"``).
 """
 
@@ -150,7 +151,6 @@ def world4(out: Path) -> None:
         devices=4,
         ckpt_path=out / "preempted.ckpt",
         n_layer=2,
-        untied=True,
         checkpoints=False,
         precision=F64,
     )
