@@ -8,9 +8,9 @@ of them (grid ``"auto"``). It logs loss, validation loss and tokens/s (progress 
 from the newest one with ``--resume``, and ends by printing a generated sample.
 
 ``--pipeline 2`` splits the model into two pipeline stages (on 8 CPU processes: two stages of 2×2×1):
-the LightningModule builds the plain ``DenseGPT`` (untied) and the strategy runs this rank's stages
+the LightningModule builds the plain ``DenseGPT`` and the strategy runs this rank's stages
 under ``--schedule``; ``training_step`` is the same. Its checkpoints resume with ``--resume``, on another
-``--pipeline`` (above 1: the model is untied) or grid too; the sample is left out there (the stages
+``--pipeline`` or grid too; the sample is left out there (the stages
 do not generate).
 
     python examples/train_gpt.py                      # CPU: 8 processes, a few minutes
@@ -124,7 +124,7 @@ class StdlibText(pl.LightningDataModule):
 
 class ByteGPT(pl.LightningModule):
     """GPT3D on bytes; the 3-D layers are built in ``configure_model`` on the strategy's grid. With
-    ``pipeline``: the plain, untied DenseGPT, which the strategy splits into its pipeline stages."""
+    ``pipeline``: the plain DenseGPT, which the strategy splits into its pipeline stages."""
 
     def __init__(
         self,
@@ -155,7 +155,6 @@ class ByteGPT(pl.LightningModule):
                 n_head=hp.n_head,
                 n_embd=hp.n_embd,
                 dropout=hp.dropout,
-                tie_embeddings=not hp.pipeline,  # the embedding and the head live on different stages
             )
             # run-time choices: the strategy's options
             self.model = DenseGPT(config) if hp.pipeline else GPT3D(config, grid=self.grid)

@@ -1,8 +1,9 @@
 """Train the byte-level GPT of ``train_gpt.py`` with DeepSpeed's pipeline engine: stages over the 3-D grid.
 
-``deepspeed_3d.initialize`` splits the plain, untied ``DenseGPT`` (built on ``meta``: each rank
-materialises its own stage) into ``--pipeline`` stages, each stage's layers on its cube of
-``--grid`` ranks, as DeepSpeed's ``PipelineModule``; ``engine.train_batch`` runs DeepSpeed's
+``deepspeed_3d.initialize`` splits the plain ``DenseGPT`` (built on ``meta``: each rank
+materialises its own stage; its head tied to its embedding, held by the first and the last stage)
+into ``--pipeline`` stages, each stage's layers on its cube of ``--grid`` ranks, as DeepSpeed's
+``PipelineModule``; ``engine.train_batch`` runs DeepSpeed's
 schedule over ``--accumulation`` micro-batches of ``--micro-batch`` sequences per replica
 (ZeRO-1, gradient clipping 1.0); ``engine.eval_batch`` the validation loss. The data is
 ``train_gpt.py``'s: the standard library's own source, as bytes. The run ends with a DeepSpeed
@@ -86,7 +87,6 @@ def main() -> None:
         n_layer=args.n_layer,
         n_head=args.n_head,
         n_embd=args.n_embd,
-        tie_embeddings=False,  # the embedding and the head live on different stages
     )
     torch.manual_seed(args.seed)  # the same on every rank: each stage draws the whole model's values
     engine, *_ = deepspeed_3d.initialize(model=DenseGPT(gpt, device="meta"), config=config)
