@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_3d.layout import gather_activation
 from lightning_3d.models.attention import rope_tables
+from lightning_3d.options import RuntimeOptions
 from lightning_3d.parallel import (
     Attention,
     Linear,
@@ -204,6 +205,13 @@ def refusals(grid, dense) -> dict:
             lambda: whole_only(**call),
             "a batch of 1 sequences does not split into whole-sequence rows",
             "lcm(px·py, px·pz) = 4",
+            "Attention()",
+        ),
+        "tokens_without_attention": (
+            lambda: parallelize(
+                copy.deepcopy(dense), plan(attention=False), grid=grid, options=RuntimeOptions(rows="tokens")
+            )(**inputs(grid, 4, 16, False)),
+            "runs with RuntimeOptions(rows='tokens'), but its plan names no attention modules",
             "Attention()",
         ),
         "sliced_targets": (

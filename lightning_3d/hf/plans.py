@@ -174,6 +174,7 @@ def llama_plan(model: nn.Module) -> Plan:
         validate=check_llama,
         prepare=prepare_llama,
         before_forward=functools.partial(lay_out_inputs, positions_layout="y"),
+        rows_in_model=True,  # lay_out_inputs arranges token rows before the embedding
     )
 
 
@@ -202,6 +203,7 @@ def gpt2_plan(model: nn.Module) -> Plan:
         validate=check_gpt2,
         prepare=prepare_gpt2,
         before_forward=functools.partial(lay_out_inputs, positions_layout="z"),
+        rows_in_model=True,  # lay_out_inputs arranges token rows before the embedding
     )
 
 

@@ -100,6 +100,7 @@ def gpt_plan(config: GPTConfig, options: RuntimeOptions | None = None) -> Plan:
         before_forward=check_batch,
         init=lambda name, t: init_dense_tensor_(name, t, config),
         validate=lambda model, grid: check_grid(config, grid),
+        rows_in_model=True,  # DenseGPT.embed takes the rows DenseGPT.token_rows arranges
     )
 
 

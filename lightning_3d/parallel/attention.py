@@ -26,8 +26,9 @@ whole-sequence rows it is cut to this rank's rows too, so the model's code passe
 tensors on either kind of rows.
 
 A plan that names no attention runs on whole sequences only: its token embedding refuses a batch
-that needs token rows, naming the multiple and the fix (the built-in plans of ``DenseGPT`` and the
-Hugging Face models lay out token rows in their own code and hand the embedding arranged rows).
+that needs token rows, and ``RuntimeOptions(rows="tokens")``, naming the multiple and the fix (the
+built-in plans of ``DenseGPT`` and the Hugging Face models lay out token rows in their own code and
+hand the embedding arranged rows: ``Plan.rows_in_model``, which gets none of these hooks).
 """
 
 from __future__ import annotations
@@ -143,13 +144,16 @@ def check_attention(model: nn.Module, entries: dict[str, Attention]) -> None:
 def lay_out_token_rows(model: nn.Module, entries: dict[str, Attention], grid: Grid, runtime: Runtime) -> None:
     """Give ``model`` the hooks that run it on token rows (see the module's docstring); ``entries``: its
     attention modules by name, each with its plan entry. Without any, its token embedding refuses a
-    batch that needs token rows. Run before the checkpoint units wrap their forwards (a unit recomputed in
-    backward runs the attention's wrapped forward on the rows its forward ran on)."""
+    batch that needs token rows, and ``rows="tokens"``. Run before the checkpoint units wrap their
+    forwards (a unit recomputed in backward runs the attention's wrapped forward on the rows its
+    forward ran on)."""
     embeddings = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding3D)]
     model_name = type(model).__name__
     if not entries:
         for embedding in embeddings:
-            embedding.register_forward_pre_hook(functools.partial(_whole_sequences_only, model_name, grid))
+            embedding.register_forward_pre_hook(
+                functools.partial(_whole_sequences_only, model_name, grid, runtime)
+            )
         return
     model.register_forward_pre_hook(lambda module, args: setattr(runtime, "token_rows", None))
     for embedding in embeddings:
@@ -163,9 +167,18 @@ def lay_out_token_rows(model: nn.Module, entries: dict[str, Attention], grid: Gr
         _attend_on_rows(model.get_submodule(name), entry, grid, runtime)
 
 
-def _whole_sequences_only(model_name: str, grid: Grid, embedding: nn.Module, args: tuple) -> None:
+def _whole_sequences_only(
+    model_name: str, grid: Grid, runtime: Runtime, embedding: nn.Module, args: tuple
+) -> None:
     """The token embedding's pre-hook where the plan names no attention: a batch must split as whole sequences."""
     b, multiple = args[0].shape[0], sequence_multiple(grid)
+    if runtime.options.rows == "tokens":
+        raise ValueError(
+            f"{model_name} runs with RuntimeOptions(rows='tokens'), but its plan names no attention modules, "
+            "whose core attention token rows split: name them in its plan (Plan(attention={'<pattern>': "
+            "Attention()}), lightning_3d.parallel.Attention), or run rows='auto' (whole sequences where the "
+            f"batch is a multiple of {multiple})"
+        )
     if b % multiple:
         raise ValueError(
             f"{model_name}: a batch of {b} sequences does not split into whole-sequence rows on grid "

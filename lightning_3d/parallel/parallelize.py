@@ -86,7 +86,8 @@ def parallelize(
     _Converter(model, plan, grid, device).run(order, rules, built)
     if plan.prepare is not None:
         plan.prepare(model, grid)
-    lay_out_token_rows(model, plan.attention_of(model), grid, runtime)  # the modules prepare left
+    if not plan.rows_in_model:
+        lay_out_token_rows(model, plan.attention_of(model), grid, runtime)  # the modules prepare left
     for unit in units:
         run_as_unit(unit, runtime)
     attach_model_hooks(model, plan, grid, runtime)

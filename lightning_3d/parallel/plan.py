@@ -55,7 +55,11 @@ class Plan:
             self-attention and how their core attention is called
             (:class:`~lightning_3d.parallel.attention.Attention`): with them the model takes any
             batch, one that whole-sequence rows do not split running on token rows; without, a
-            batch must be a multiple of ``lcm(px·py, px·pz)``.
+            batch must be a multiple of ``lcm(px·py, px·pz)`` and ``RuntimeOptions(rows="tokens")``
+            is refused, unless ``rows_in_model``.
+        rows_in_model: the model's own code lays out token rows before its token embedding (the
+            built-in plans of ``DenseGPT`` and the Hugging Face models): it takes any batch without
+            ``attention`` entries.
         strict: every pattern of ``rules``, ``checkpoint`` and ``attention`` must match some module.
     """
 
@@ -68,6 +72,7 @@ class Plan:
     validate: Callable[[nn.Module, Grid], None] | None = None
     prepare: Callable[[nn.Module, Grid], None] | None = None
     attention: dict[str, Attention] = field(default_factory=dict)
+    rows_in_model: bool = False
     strict: bool = True
 
     def rule_for(self, name: str) -> Rule | None:
