@@ -1,9 +1,9 @@
 """Pipeline stages (``lightning_3d.pipeline``) train as the dense model does (float64, real gloo groups).
 
 On each layout (pp 2 × 2×1×1, pp 2 × 1×1×1 × dp 2, pp 4 × 1×1×1 in a world of 4; pp 2 × 2×2×1 in a
-world of 8) and each schedule (GPipe and 1F1B everywhere; Interleaved1F1B, InterleavedZeroBubble
-and ZBVZeroBubble on one layout each, the zero-bubble ones where weights are gathered over x, so that
-every backward defers the gathered weights' gradients and every W action adds them): a DenseGPT
+world of 8) and each schedule (GPipe and 1F1B everywhere; Interleaved1F1B, InterleavedZeroBubble,
+ZBVZeroBubble and DualPipeV on one layout each, the zero-bubble ones where weights are gathered over
+x, so that every backward defers the gathered weights' gradients and every W action adds them): a DenseGPT
 built on ``meta`` is split into stages, given the dense model's weights, and takes three AdamW steps
 on four micro-batches of one sequence each (token rows on the cubes of several ranks, whole sequences
 on one rank); the loss of every step and every parameter after them equal DenseGPT's on one
@@ -48,7 +48,7 @@ STYLES = {
 LAYOUTS = {
     4: [
         # GPipe: layers 0 | 1-3
-        ((2, (2, 1, 1), 1), "gpt2", (("GPipe", [1]), "1F1B", "InterleavedZeroBubble")),
+        ((2, (2, 1, 1), 1), "gpt2", (("GPipe", [1]), "1F1B", "InterleavedZeroBubble", "DualPipeV")),
         ((2, (1, 1, 1), 2), "llama", ("GPipe", "1F1B", "Interleaved1F1B")),
         ((4, (1, 1, 1), 1), "gpt2_tied", ("GPipe", "1F1B")),
     ],
