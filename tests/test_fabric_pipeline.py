@@ -1,7 +1,7 @@
 """Pipeline stages in real multi-process Fabric loops and mixed precision under stages (gloo, CPU).
 
 One world of 4 (``fabric_scripts/pipeline.py``, its docstring names the runs): Fabric splits the
-plain untied DenseGPT into pp 2 × 2×1×1 stages and trains it in float64 as the dense twin; its
+plain DenseGPT (its head tied to its embedding) into pp 2 × 2×1×1 stages and trains it in float64 as the dense twin; its
 checkpoint resumes at pp 2 × 1×1×1 × dp 2 with ZeRO-1 and gradient accumulation, whose checkpoint
 resumes without stages on 1×2×2, each training on as the uninterrupted dense twin; under
 ``bf16-mixed`` Fabric's and the Trainer's pp 2 runs train as Fabric's run without stages on the
@@ -24,9 +24,10 @@ from test_fabric import LOSS_TOL, SCRIPTS, TOL, assert_close
 
 from lightning_3d import checkpoint as ckpt
 
-# bf16-mixed, 3 AdamW steps: pp 2 against pp 1 (the same computations in another order), and either against
-# the float32 dense twin; updates: the relative L2 distance of all parameters' change over the steps
-BF16_LOSS, BF16_NORM, BF16_UPDATE = 1e-3, 2e-3, 0.05
+# bf16-mixed, 3 AdamW steps: pp 2 against pp 1 (the same computations in another order; the tied weight's
+# gradient two stages' sums added), and either against the float32 dense twin; updates: the relative L2
+# distance of all parameters' change over the steps
+BF16_LOSS, BF16_NORM, BF16_UPDATE = 1e-3, 4e-3, 0.05
 F32_LOSS, F32_NORM, F32_UPDATE = 5e-3, 5e-3, 0.1
 
 
@@ -68,7 +69,7 @@ def assert_parameters(got: dict, want: dict, what: str) -> None:
 @pytest.fixture(scope="module")
 def dense() -> dict:
     """The dense twin's runs: float64 (3, 6 and 9 steps), float32 (3), and its initial state."""
-    config = dict(n_layer=2, tied=False)
+    config = dict(n_layer=2)
     return {
         **{f"f64 {n}": common.dense_reference(n, **config, dtype=torch.float64) for n in (6, 9)},
         "f64": common.dense_reference(3, **config, dtype=torch.float64),
@@ -176,7 +177,7 @@ def test_a_split_priced_for_another_model_and_two_plans_are_refused():
     from lightning_3d.pipeline import PipelineOptions
     from lightning_3d.strategy.stages import split_model
 
-    model = DenseGPT(common.config(n_layer=2, tied=False), device="meta")
+    model = DenseGPT(common.config(n_layer=2), device="meta")
     with pytest.raises(ValueError, match=r"model_shape has layers=3, but DenseGPT has 2 \(transformer.h\)"):
         split_model(model, None, PipelineOptions(split_points=[1]), None, torch.device("cpu"), None, 3)
     plan = gpt_plan(common.config())

@@ -98,12 +98,13 @@ def materialize_(module: nn.Module, device: torch.device) -> None:
 def rebind_parameters_(
     optimizer: torch.optim.Optimizer,
     names: dict[int, str],
-    params: dict[str, nn.Parameter],
+    params: dict[str, list[nn.Parameter]],
     elsewhere: frozenset[str] = frozenset(),
 ) -> None:
-    """Point ``optimizer``'s param groups at ``params`` (the model's parameters after setup) by the names
-    ``names`` gave the old ones (``id(param)`` → name, from before setup); those named in ``elsewhere``
-    (other pipeline stages' parameters) leave it.
+    """Point ``optimizer``'s param groups at ``params`` (the model's parameters after setup, by name; a
+    parameter that two pipeline stages of this rank hold, a tied embedding and head, under the first
+    stage's name) by the names ``names`` gave the old ones (``id(param)`` → name, from before setup);
+    those named in ``elsewhere`` (other pipeline stages' parameters) leave it.
 
     Raises:
         ValueError: the optimizer already has state, or holds a parameter that is not the model's.
@@ -126,7 +127,7 @@ def rebind_parameters_(
                 "model.parameters(), or after model = fabric.setup_module(model), then "
                 "fabric.setup_optimizers(optimizer)"
             )
-        group["params"] = [params[names[id(p)]] for p in group["params"]]
+        group["params"] = [q for p in group["params"] for q in params[names[id(p)]]]
 
 
 class DataParallelSync:
@@ -331,7 +332,10 @@ class Tensor3DFabricMixin(GridStrategy):
         its 3-D parameters by name."""
         names = {id(p): name for name, p in module.named_parameters()}
         module = self.setup_module(module)
-        params = dict(_bare(module).named_parameters())
+        held = ckpt.parameter_names(_bare(module))  # a stage's copy of a tied weight under the weight's name
+        params: dict[str, list[nn.Parameter]] = {}
+        for p in _bare(module).parameters():
+            params.setdefault(held[id(p)], []).append(p)
         elsewhere = frozenset(names.values()) - params.keys() if self.pipeline is not None else frozenset()
         for optimizer in optimizers:
             rebind_parameters_(optimizer, names, params, elsewhere)

@@ -1,8 +1,9 @@
 """Driver: Fabric loops, and one ``Trainer.fit``, with pipeline stages in one launched world of 4
 (``python pipeline.py world4 OUT`` on each rank, as ``suite.py``); test_fabric_pipeline.py judges them.
 
-Every run trains the untied two-layer ``DenseGPT`` of ``common.config(n_layer=2, tied=False)`` (built on
-``meta``: one layer a stage at pp 2) with ``common.optimizers`` (AdamW and its LR schedule), clipped at
+Every run trains the two-layer ``DenseGPT`` of ``common.config(n_layer=2)`` (its head tied to its
+embedding, which the first and the last stage each hold; built on ``meta``: one layer a stage at
+pp 2) with ``common.optimizers`` (AdamW and its LR schedule), clipped at
 ``common.CLIP`` by the global norm, on the global batches of 8 that ``common.Tokens`` gives in the order
 of ``DistributedSampler(shuffle=True, seed=common.SEED)``, epoch by epoch: 3 steps an epoch, as
 ``common.dense_reference``. Each run writes ``OUT/<run>.rank<r>.json`` (losses, clipped gradient
@@ -82,7 +83,7 @@ def fabric_run(
     fabric.seed_everything(common.SEED)
     torch.manual_seed(common.INIT_SEED)
     with fabric.init_module(empty_init=True):
-        model = DenseGPT(common.config(n_layer=2, tied=False))
+        model = DenseGPT(common.config(n_layer=2))
     meta_built = all(p.is_meta for p in model.parameters())
     opt, sched = common.optimizers(model.parameters())
     model, opt = fabric.setup(model, opt)
