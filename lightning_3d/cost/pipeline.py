@@ -12,12 +12,18 @@ five). :func:`balanced_counts` gives the layer counts whose slowest stage is the
 
 Every rank idles while the pipeline fills and drains, ``(pp − 1)`` stage-steps of a stage's
 ``1/v``-sized work, out of ``v·m + pp − 1``: the bubble fraction is ``(pp − 1) / (v·m + pp − 1)``
-(Huang et al. 2019 for GPipe, Narayanan et al. 2021 for 1F1B and interleaving). GPipe and 1F1B
-show it on CPU with stages of known cost (``tests/test_pipeline_cost.py``); for ``v > 1`` it is the
-ideal, which ``torch.distributed.pipelining``'s interleaved order does not reach (measured on CPU
-at pp 4, v 2: 0.21 at m 16 and 0.34 at m 4, against 0.09 and 0.27), so the prediction of a looped
-schedule is a lower bound. The zero-bubble schedules would fill the bubble by deferring the weight
-gradients; the stages here compute them with the input gradients.
+(Huang et al. 2019 for GPipe, Narayanan et al. 2021 for 1F1B and interleaving), exactly what
+``torch.distributed.pipelining``'s GPipe, 1F1B, Interleaved1F1B and LoopedBFS leave.
+:func:`order_bubble` computes the bubble of any schedule from its own order of actions (its
+``pipeline_order``) and the stages' costs. The zero-bubble schedules differ from the formula: their
+W actions (weight gradients, deferred from the backward) fill the drain, so with W half the backward
+they leave 0.06 at pp 4, v 2, m 8 where the formula says 0.16; without deferred weight gradients
+InterleavedZeroBubble leaves the formula's bubble and ZBVZeroBubble and DualPipeV a little more
+(0.20 and 0.19). Every schedule shows its order's bubble on CPU with stages of known cost
+(``tests/test_pipeline_cost.py``). :func:`predict_pipeline`, which prices schedules before any stage
+exists, takes the formula for all of them: the stages defer only the weight gradients of 3-D
+products gathered over x (px > 1, eager: :mod:`lightning_3d.pipeline.schedule`), the rest coming
+with the input gradients, so a zero-bubble schedule's bubble lies between the two.
 
 Between stages each cube rank sends its own z-layout block of a micro-batch
 (``tokens/m · h / cube`` elements) forward and its gradient back, point to point, over the link
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from ..pipeline.kinds import stage_owner
@@ -121,6 +128,73 @@ def bubble_fraction(pipeline_size: int, n_microbatches: int, stages_per_rank: in
     """The share of a step a rank idles: ``(pp − 1) / (v·m + pp − 1)``."""
     pp, m, v = pipeline_size, n_microbatches, stages_per_rank
     return (pp - 1) / (v * m + pp - 1)
+
+
+def order_bubble(
+    order: Mapping[int, Sequence], forward: float, backward: float, weight: float = 0.0
+) -> float:
+    """The bubble fraction a schedule's own order of actions leaves, with stages of known cost.
+
+    ``order``: a ``torch.distributed.pipelining`` schedule's ``pipeline_order`` (pipe rank → its
+    actions in order, None where it idles; each action's ``stage_index``, ``computation_type`` F, B,
+    I, W or an overlapped pair, and ``microbatch_index``). ``forward``, ``backward``: a rank's work
+    per micro-batch over all its stages (a stage of ``v`` a rank does ``1/v`` of it); ``weight``: the
+    part of ``backward`` a zero-bubble schedule's W action does (its I action the rest).
+
+    Each rank runs its actions in order, each as soon as the rank is free and what it needs is done:
+    a forward the previous stage's forward of the micro-batch, a backward (B or I) the stage's own
+    forward and the next stage's backward, a W its I; an overlapped pair (DualPipeV) starts once both
+    its actions could, and runs them one after the other. Hand-overs take no time. Returns
+    ``1 − m·(forward + backward) / step`` with ``step`` the last action's end, the share of a step a
+    rank idles; for GPipe, 1F1B and the looped schedules it is :func:`bubble_fraction`.
+    """
+    units = {
+        rank: [u for u in (_compute_unit(a) for a in acts if a is not None) if u]
+        for rank, acts in order.items()
+    }
+    flat = [a for acts in units.values() for unit in acts for a in unit]
+    num_stages = 1 + max(a.stage_index for a in flat)
+    microbatches = 1 + max(a.microbatch_index for a in flat)
+    v = num_stages // len(units)
+    cost = {"F": forward / v, "B": backward / v, "I": (backward - weight) / v, "W": weight / v}
+    done: dict[tuple[str, int, int], float] = {}
+    free, position = dict.fromkeys(units, 0.0), dict.fromkeys(units, 0)
+    while any(position[r] < len(acts) for r, acts in units.items()):
+        progressed = False
+        for rank, acts in units.items():
+            while position[rank] < len(acts):
+                needs = [n for action in acts[position[rank]] for n in _needs(action, num_stages)]
+                if any(n not in done for n in needs):
+                    break
+                end = max([free[rank], *(done[n] for n in needs)])
+                for action in acts[position[rank]]:
+                    kind = action.computation_type.value
+                    end += cost[kind]
+                    done[("dx" if kind in "BI" else kind, action.stage_index, action.microbatch_index)] = end
+                free[rank] = end
+                position[rank] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the schedule's order waits on an action that no rank runs")
+    return 1 - microbatches * (forward + backward) / max(free.values())
+
+
+def _compute_unit(action) -> tuple:
+    """The forward and backward actions that ``action`` runs at once: itself, an overlapped pair's two, or
+    none (a communication or gradient reduction)."""
+    if action.sub_actions is not None:
+        return tuple(a for sub in action.sub_actions for a in _compute_unit(sub))
+    return (action,) if action.computation_type.value in ("F", "B", "I", "W") else ()
+
+
+def _needs(action, num_stages: int) -> list[tuple[str, int, int]]:
+    """What ``action`` waits for: ``(kind, stage, micro-batch)``, kind F, dx (B or I) or W."""
+    kind, s, mb = action.computation_type.value, action.stage_index, action.microbatch_index
+    if kind == "F":
+        return [("F", s - 1, mb)] if s > 0 else []
+    if kind == "W":
+        return [("dx", s, mb)]
+    return [("F", s, mb)] + ([("dx", s + 1, mb)] if s < num_stages - 1 else [])
 
 
 def pipeline_error(
