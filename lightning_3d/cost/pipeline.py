@@ -17,13 +17,14 @@ Every rank idles while the pipeline fills and drains, ``(pp − 1)`` stage-steps
 :func:`order_bubble` computes the bubble of any schedule from its own order of actions (its
 ``pipeline_order``) and the stages' costs. The zero-bubble schedules differ from the formula: their
 W actions (weight gradients, deferred from the backward) fill the drain, so with W half the backward
-they leave 0.06 at pp 4, v 2, m 8 where the formula says 0.16; without deferred weight gradients
-InterleavedZeroBubble leaves the formula's bubble and ZBVZeroBubble and DualPipeV a little more
-(0.20 and 0.19). Every schedule shows its order's bubble on CPU with stages of known cost
-(``tests/test_pipeline_cost.py``). :func:`predict_pipeline`, which prices schedules before any stage
-exists, takes the formula for all of them: the stages defer only the weight gradients of 3-D
-products gathered over x (px > 1, eager: :mod:`lightning_3d.pipeline.schedule`), the rest coming
-with the input gradients, so a zero-bubble schedule's bubble lies between the two.
+they leave 0.06 (DualPipeV 0.11) at pp 4, v 2, m 8 where the formula says 0.16; without deferred
+weight gradients InterleavedZeroBubble leaves the formula's bubble and ZBVZeroBubble and DualPipeV
+more (0.20 and 0.23). GPipe, 1F1B and the looped schedules show the formula's bubble on CPU with stages of
+known cost, and the zero-bubble ones less (``tests/test_pipeline_cost.py``).
+:func:`predict_pipeline`, which prices schedules before any stage exists, takes the formula for
+all of them: the stages defer only the weight gradients of 3-D products gathered over x (px > 1, eager:
+:mod:`lightning_3d.pipeline.schedule`), the rest coming with the input gradients, so a
+zero-bubble schedule's bubble lies between the two.
 
 Between stages each cube rank sends its own z-layout block of a micro-batch
 (``tokens/m · h / cube`` elements) forward and its gradient back, point to point, over the link
