@@ -85,10 +85,11 @@ def global_shapes(module: nn.Module) -> dict[str, list[int]]:
 def parameter_names(module: nn.Module) -> dict[int, str]:
     """``id(param)`` → its (first) name in ``module``; a pipeline stage's copy of another stage's
     parameter (``ShardSpec.copy_of``) goes by that parameter's name, whose optimizer state it shares."""
-    return {
-        id(p): name if get_spec(p) is None else get_spec(p).held_as(name)
-        for name, p in module.named_parameters()
-    }
+    names = {}
+    for name, p in module.named_parameters():
+        spec = get_spec(p)
+        names[id(p)] = name if spec is None else spec.held_as(name)
+    return names
 
 
 def _state_view(value, param: torch.Tensor, grid: Grid, what: str):

@@ -39,7 +39,7 @@ from ..models.dense import init_order
 from ..options import RuntimeOptions
 from ..parallel import Plan, find_plan, parallelize
 from ..parallel.plan import matches
-from .kinds import stage_indices, stage_owner
+from .kinds import stage_indices
 from .split import MicroBatch, StageSplit, find_split, layer_ranges
 from .tied import TiedParameter, tie_across_stages
 
@@ -226,10 +226,7 @@ def split_stages(
         stage = Stage(module, index, num_stages, ranges[index], split, grid)
         module.forward = stage.forward
         stages.append(stage)
-    shared_rank = stage_owner(0, grid.pipeline_size, schedule) == stage_owner(
-        num_stages - 1, grid.pipeline_size, schedule
-    )
-    tied = tie_across_stages({s.index: s.module for s in stages}, ties, num_stages - 1, grid, shared_rank)
+    tied = tie_across_stages({s.index: s.module for s in stages}, ties, num_stages - 1, grid)
     for stage in stages:
         stage.tied = tied
     return stages

@@ -18,6 +18,7 @@ under V-shaped schedules both stages run on the same rank and nothing is sent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -33,32 +34,27 @@ from ..sharding import get_spec, set_spec
 class TiedParameter:
     """One parameter of the whole model that this rank's first or last stage holds, or both.
 
-    ``name``: its name in the whole model on the first stage (``"transformer.wte.weight"``);
     ``held``: this rank's tensors of it, the first stage's first; ``group``: the process group of the
-    ranks that hold it, or None where this rank holds every one of them.
+    ranks that hold it (its rank 0 runs the first stage), or None where this rank holds both.
     """
 
-    name: str
     held: list[nn.Parameter]
     group: dist.ProcessGroup | None
 
     @torch.no_grad()
-    def make_equal(self, holds_first: bool) -> None:
-        """Give every tensor the first stage's values (``holds_first``: this rank runs the first stage).
-        Collective over :attr:`group`."""
+    def make_equal(self) -> None:
+        """Give every tensor the first stage's values. Collective over :attr:`group`."""
         source = self.held[0]
         if self.group is not None:
-            values = source.detach() if holds_first else torch.empty_like(source)
-            dist.broadcast(values, group=self.group, group_src=0)
-            source.copy_(values)
+            dist.broadcast(source.detach(), group=self.group, group_src=0)  # in place: sent or received
         for copy in self.held[1:]:
             copy.copy_(source)
 
     def sum_grads(self) -> None:
         """Give every tensor the sum of the gradients of all of them (the whole model's gradient of the
-        parameter). Collective over :attr:`group`."""
+        parameter), summed in place where this rank holds one. Collective over :attr:`group`."""
         grads = [p.grad for p in self.held if p.grad is not None]
-        total = torch.stack(grads).sum(0) if grads else torch.zeros_like(self.held[0])
+        total = functools.reduce(torch.add, grads) if grads else torch.zeros_like(self.held[0])
         if self.group is not None:
             total, _ = comm.all_reduce(total, self.group)
         for p in self.held:
@@ -66,12 +62,12 @@ class TiedParameter:
 
 
 def tie_across_stages(
-    modules: dict[int, nn.Module], ties: list[dict[int, str]], last: int, grid: Grid, shared_rank: bool
+    modules: dict[int, nn.Module], ties: list[dict[int, str]], last: int, grid: Grid
 ) -> list[TiedParameter]:
     """This rank's :class:`TiedParameter` of each of ``ties`` (``{stage: the name it holds the parameter
     under}``, stage 0 and stage ``last``), from its stages' parallelized ``modules`` (by stage index).
-    Marks each copy (``copy_of``) and makes the copies equal. ``shared_rank``: one rank runs both the
-    first and the last stage. Collective over the grid's ``"ends"`` group."""
+    Marks each copy (``copy_of``) and makes the copies equal. Collective over the grid's ``"ends"``
+    group where this rank runs one of the two stages."""
     out = []
     for names in ties:
         held = [modules[s].get_parameter(names[s]) for s in (0, last) if s in modules]
@@ -85,7 +81,7 @@ def tie_across_stages(
                 )
         for p in held[1:] if 0 in modules else held:
             set_spec(p, dataclasses.replace(get_spec(p), copy_of=(names[last], names[0])))
-        tied = TiedParameter(names[0], held, None if shared_rank else grid.group("ends"))
-        tied.make_equal(holds_first=0 in modules)
+        tied = TiedParameter(held, None if len(held) == 2 else grid.group("ends"))
+        tied.make_equal()
         out.append(tied)
     return out
